@@ -1,0 +1,159 @@
+"""Typed values that cross the app/sidecar boundary.
+
+The app builds a :class:`PreparedRequest` from an OpenAI request; the sidecar answers with a
+stream of :class:`Delta`. Discovery produces :class:`EngineInfo`. Keeping these small, frozen
+and free of gRPC types lets each side change its internals without the other noticing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+StructuredKind = Literal["json", "regex", "choice", "grammar", "json_object", "structural_tag"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling knobs. Zero means "engine default" for the fields vLLM treats that way."""
+
+    temperature: float
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] = ()
+
+
+class StoppingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+
+
+class OutputOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine should return besides text.
+
+    ``logprobs`` is None for none, 0 for the sampled token's logprob only, k for k candidates.
+    """
+
+    logprobs: int | None = None
+    prompt_token_ids: bool = False
+    skip_special_tokens: bool = True
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    kind: StructuredKind
+    # JSON schema text, regex, grammar or structural tag; the choices for ``choice``.
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
+class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
+    """One image ready for vLLM: either its bytes or a URL vLLM fetches itself.
+
+    ``uuid`` is the content identity shared by vLLM's caches and our router; ``num_tokens`` is
+    how many prompt tokens the image expands to, when known.
+    """
+
+    uuid: str
+    mime_type: str = ""
+    data: bytes | None = None
+    url: str | None = None
+    num_tokens: int | None = None
+
+
+class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A fully validated, tokenized request, independent of the OpenAI endpoint it came from.
+
+    ``n`` choices are served by fanning out ``n`` engine requests (vLLM rejects
+    ``num_sequences > 1``); ``rank`` pins a data-parallel rank chosen by the client.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_text: str | None = None
+    sampling: SamplingParams
+    stopping: StoppingParams
+    output: OutputOptions = OutputOptions()
+    structured: StructuredOutput | None = None
+    n: int = 1
+    cache_salt: str | None = None
+    priority: int = 0
+    lora_name: str | None = None
+    media: tuple[MediaInput, ...] = ()
+    kv_transfer_params: dict[str, Any] | None = None
+    rank: int | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+    rank: int
+    # (token_id, logprob, rank) of the top candidates at this position.
+    top: tuple[tuple[int, float, int], ...] = ()
+
+
+class Delta(msgspec.Struct, kw_only=True):
+    """One step of one choice's output.
+
+    The first delta of each choice carries ``prompt_tokens`` (vLLM's count, which includes the
+    expanded image tokens); the last carries ``finish_reason`` and ``completion_tokens``.
+    """
+
+    index: int = 0
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    completion_tokens: int | None = None
+    finish_reason: FinishReason | None = None
+    # The stop string or token id that ended the choice, as vLLM reports it.
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class RankCapacity(msgspec.Struct, frozen=True):
+    rank: int
+    kv_blocks: int
+    max_running_requests: int
+
+
+class KvEventSource(msgspec.Struct, frozen=True):
+    """A validated ZMQ KV-event publisher for one DP rank."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What discovery learnt about the engine; compared across passes to catch drift."""
+
+    model_id: str
+    served_model_name: str
+    aliases: tuple[str, ...]
+    engine_version: str
+    instance_id: str
+    max_model_len: int
+    block_size: int
+    dp_size: int
+    ranks: tuple[int, ...]
+    capacity: tuple[RankCapacity, ...]
+    max_batched_tokens: int
+    supports_text_input: bool
+    supports_lora: bool
+    supports_multimodal: bool
+    reasoning_parser: str
+    tool_call_parser: str
+    kv_event_sources: tuple[KvEventSource, ...] = ()
