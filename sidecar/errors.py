@@ -1,0 +1,51 @@
+"""Typed failures of the sidecar; the app maps each type to HTTP in exactly one place.
+
+Every error carries the message a client may see (vLLM's own text for validation failures)
+so nothing upstream needs to know about gRPC status codes.
+"""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+    """Base of everything the sidecar raises towards the app."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(SidecarError):
+    """The engine rejected the request's content (gRPC INVALID_ARGUMENT): a client mistake."""
+
+
+class NotFound(SidecarError):
+    """Unknown model or LoRA adapter (gRPC NOT_FOUND)."""
+
+
+class FailedPrecondition(SidecarError):
+    """The engine cannot serve this kind of request, e.g. LoRA disabled (FAILED_PRECONDITION)."""
+
+
+class EngineUnavailable(SidecarError):
+    """The engine is not ready, restarting or unreachable; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineOverloaded(SidecarError):
+    """The engine or the gateway's admission control refused for load (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineFailure(SidecarError):
+    """The engine failed the request (INTERNAL, a stream cut short, an unknown status)."""
+
+
+class DiscoveryError(SidecarError):
+    """Discovery found an engine Rankgate must not serve: wrong API, bad topology, drift."""

@@ -1,0 +1,52 @@
+"""The contract between the sidecar's generation path and a routing policy.
+
+The sidecar asks :meth:`Router.route` once per engine request, pins the returned rank with
+``x-data-parallel-rank`` (or sends none when ``rank`` is None), and reports the request's life
+through the returned :class:`RouteTicket` so the router's load view stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from sidecar.types import EngineInfo, PreparedRequest
+
+
+class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
+    # None: send no rank metadata and let vLLM's own balancer choose.
+    rank: int | None
+    # Prompt tokens the chosen rank is believed to hold already (0 when unknown).
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    policy: str = ""
+
+
+class RouteTicket(Protocol):
+    """One engine request's footprint on the router's load view; every method is idempotent."""
+
+    @property
+    def decision(self) -> RouteDecision: ...
+
+    def first_token(self) -> None:
+        """Prefill is done: the request now costs decode, not prefill."""
+
+    def finished(self) -> None:
+        """The request left the engine (finished, failed or cancelled)."""
+
+
+class Router(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def configure(self, info: EngineInfo) -> None:
+        """(Re)build per-rank state for a freshly discovered engine."""
+
+    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+        """Choose the rank for choice ``choice`` of ``request`` and count it as in flight."""
+
+    async def start(self) -> None:
+        """Start background work (KV-event subscribers); a no-op for simple policies."""
+
+    async def close(self) -> None: ...
