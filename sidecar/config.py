@@ -1,0 +1,33 @@
+"""How the sidecar reaches and watches one vLLM frontend; built once from CLI flags or env."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SidecarConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Connection and lifecycle knobs.
+
+    ``served_model_name`` renames the model towards clients only: vLLM is always addressed by the
+    name it reports itself, which then stays accepted as an alias.
+    """
+
+    endpoint: str
+    tls_ca_file: str | None = None
+    startup_timeout: float = 600.0
+    retry_interval: float = 0.5
+    health_interval: float = 1.0
+    num_channels: int = 2
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
+        if self.retry_interval <= 0:
+            raise ValueError("retry_interval must be positive")
+        if self.health_interval <= 0:
+            raise ValueError("health_interval must be positive")
+        if not 1 <= self.num_channels <= 64:
+            raise ValueError("num_channels must be between 1 and 64")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be blank")

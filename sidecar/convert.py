@@ -1,0 +1,349 @@
+"""PreparedRequest → ``vllm.GenerateRequest`` and ``vllm.GenerateResponse`` → Delta.
+
+Both directions run on the hot path (per request, per token), so the parts of a request that
+do not vary between requests are built once and reused, and the per-token decoder allocates
+only the Delta it returns.
+
+Choices that matter for correctness (SPEC.md section 3):
+
+* temperature is always sent, because an absent temperature means greedy on vLLM;
+* ``num_sequences`` is never set: OpenAI ``n`` is served by ``n`` requests, seeded
+  ``seed + i`` so choices differ yet stay reproducible;
+* text and token ids are always requested (routing and usage need the ids);
+* the cache salt is sent as ``rankgate-salt:<salt>``. vLLM mixes the salt into the first
+  block and reports it in that block's ``extra_keys`` beside LoRA names and image ids; the tag
+  lets the KV-event intake tell the salt apart from those (SPEC.md section 7).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from sidecar.errors import EngineFailure, InvalidRequest
+from sidecar.proto.vllm import inference_pb2 as pb
+from sidecar.types import (
+    Delta,
+    FinishReason,
+    MediaInput,
+    OutputOptions,
+    PreparedRequest,
+    StoppingParams,
+    StructuredOutput,
+    TokenLogprob,
+)
+
+CACHE_SALT_PREFIX = "rankgate-salt:"
+
+_INT64_MAX = (1 << 63) - 1
+_UINT64 = 1 << 64
+
+_FINISH_REASONS: dict[int, FinishReason] = {
+    pb.FinishInfo.LENGTH: "length",
+    pb.FinishInfo.STOP: "stop",
+    pb.FinishInfo.ABORTED: "abort",
+}
+
+
+def tagged_salt(salt: str) -> str:
+    """The cache salt as sent to vLLM (and as it appears in KV-event ``extra_keys``)."""
+    return CACHE_SALT_PREFIX + salt
+
+
+def is_decode_handoff(request: PreparedRequest) -> bool:
+    """A disaggregated decode request: its KV arrives from a remote prefill, and dropping it
+    before the first token can strand that transfer (SPEC.md section 8)."""
+    params = request.kv_transfer_params
+    return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
+
+
+class RequestEncoder:
+    """Encodes prepared requests for one engine; ``model`` is the engine's own served name."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+
+    def encode(self, request: PreparedRequest) -> list[pb.GenerateRequest]:
+        """One ``GenerateRequest`` per choice (ids ``<request_id>-<i>``).
+
+        Raises InvalidRequest for anything vLLM could not accept, before any RPC is made.
+        """
+        if request.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {request.n}")
+        try:
+            fields = self._shared_fields(request)
+            sampling = request.sampling
+            seed = sampling.seed
+            if seed is not None and not -_INT64_MAX - 1 <= seed <= _INT64_MAX:
+                raise InvalidRequest(f"seed {seed} is outside the 64-bit signed range")
+            messages = []
+            for choice in range(request.n):
+                choice_seed = None if seed is None else _wrap_int64(seed + choice)
+                messages.append(
+                    pb.GenerateRequest(
+                        request_id=f"{request.request_id}-{choice}",
+                        sampling=_sampling(
+                            sampling.top_k, sampling.top_p, sampling.min_p, choice_seed
+                        ),
+                        **fields,
+                    )
+                )
+            return messages
+        except (ValueError, TypeError, OverflowError) as error:
+            raise InvalidRequest(f"request cannot be encoded for the engine: {error}") from None
+
+    def _shared_fields(self, request: PreparedRequest) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "model": self._model,
+            "temperature": request.sampling.temperature,
+            "stopping": _stopping(request.stopping),
+            "response": _response(request.output),
+        }
+        if request.prompt_token_ids:
+            fields["token_ids"] = pb.TokenIds(ids=request.prompt_token_ids)
+        elif request.media:
+            raise InvalidRequest("images require a token-id prompt")
+        elif request.prompt_text:
+            fields["text"] = request.prompt_text
+        else:
+            raise InvalidRequest("the prompt is empty")
+        decoding = _decoding(request)
+        if decoding is not None:
+            fields["decoding"] = decoding
+        if request.cache_salt or request.kv_transfer_params:
+            kv = pb.KVCacheParameters()
+            if request.cache_salt:
+                kv.cache_salt = tagged_salt(request.cache_salt)
+            if request.kv_transfer_params:
+                encode_transfer_params(kv.kv_transfer_params, request.kv_transfer_params)
+            fields["kv"] = kv
+        if request.priority:
+            fields["priority"] = request.priority
+        if request.lora_name:
+            fields["lora_name"] = request.lora_name
+        if request.media:
+            fields["media"] = [_media(item) for item in request.media]
+        return fields
+
+
+def _wrap_int64(value: int) -> int:
+    return value - _UINT64 if value > _INT64_MAX else value
+
+
+@functools.lru_cache(maxsize=256)
+def _sampling(top_k: int, top_p: float, min_p: float, seed: int | None) -> pb.RandomSampling:
+    # Cached: most requests share a handful of sampling settings. Messages passed to a
+    # constructor are copied, so sharing the cached instance is safe.
+    message = pb.RandomSampling(top_k=top_k, top_p=top_p, min_p=min_p)
+    if seed is not None:
+        message.seed = seed
+    return message
+
+
+@functools.lru_cache(maxsize=256)
+def _stopping(stopping: StoppingParams) -> pb.StoppingCriteria:
+    return pb.StoppingCriteria(
+        max_new_tokens=stopping.max_tokens,
+        min_new_tokens=stopping.min_tokens,
+        stop_token_ids=stopping.stop_token_ids,
+        stop_strings=stopping.stop,
+        include_stop_strings=stopping.include_stop_str_in_output,
+        ignore_eos=stopping.ignore_eos,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _response(output: OutputOptions) -> pb.ResponseOptions:
+    message = pb.ResponseOptions(
+        prompt_token_ids=output.prompt_token_ids,
+        output_text=True,
+        output_token_ids=True,
+        skip_special_tokens=output.skip_special_tokens,
+    )
+    if output.logprobs is not None:
+        if output.logprobs < 0:
+            raise InvalidRequest(f"logprobs must not be negative, got {output.logprobs}")
+        message.output_logprobs = True
+        if output.logprobs > 0:
+            message.output_candidates.top_n = output.logprobs
+    return message
+
+
+def _decoding(request: PreparedRequest) -> pb.DecodingParameters | None:
+    sampling = request.sampling
+    structured = request.structured
+    if not (
+        sampling.presence_penalty
+        or sampling.frequency_penalty
+        or sampling.repetition_penalty
+        or sampling.logit_bias
+        or sampling.allowed_token_ids
+        or structured is not None
+    ):
+        return None
+    message = pb.DecodingParameters(
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=sampling.logit_bias or {},
+        allowed_token_ids=sampling.allowed_token_ids,
+    )
+    if structured is not None:
+        _structured(message, structured)
+    return message
+
+
+def _structured(message: pb.DecodingParameters, structured: StructuredOutput) -> None:
+    kind = structured.kind
+    if kind == "json_object":
+        message.json_object = True
+    elif kind == "choice":
+        if not structured.choices:
+            raise InvalidRequest("a choice constraint needs at least one choice")
+        message.choice.choices.extend(structured.choices)
+    elif not structured.spec:
+        raise InvalidRequest(f"the {kind} constraint is empty")
+    elif kind == "json":
+        message.json = structured.spec
+    elif kind == "regex":
+        message.regex = structured.spec
+    elif kind == "grammar":
+        message.grammar = structured.spec
+    elif kind == "structural_tag":
+        message.structural_tag = structured.spec
+    else:
+        raise InvalidRequest(f"unknown structured output kind {kind!r}")
+
+
+def _media(item: MediaInput) -> pb.MediaItem:
+    if not item.uuid:
+        raise InvalidRequest("every image needs a content identity (uuid)")
+    if item.data is not None:
+        return pb.MediaItem(
+            modality=pb.MODALITY_IMAGE,
+            raw_bytes=item.data,
+            mime_type=item.mime_type,
+            uuid=item.uuid,
+        )
+    if item.url:
+        return pb.MediaItem(
+            modality=pb.MODALITY_IMAGE, url=item.url, mime_type=item.mime_type, uuid=item.uuid
+        )
+    raise InvalidRequest(f"image {item.uuid} has neither bytes nor a URL")
+
+
+def encode_transfer_params(target: Any, params: dict[str, Any]) -> None:
+    """Fill the ``google.protobuf.Struct`` ``target``. Integers become strings: Struct numbers
+    are doubles, and KV connectors format values such as ``remote_port`` into URLs, where
+    ``8000.0`` would break them."""
+    target.update(_ints_as_strings(params))
+
+
+def decode_transfer_params(message: Any) -> dict[str, Any]:
+    """``google.protobuf.Struct`` → dict, integral doubles restored to ints (so a port that
+    came back as 8000.0 is forwarded as "8000", not "8000.0")."""
+    return {key: _value(value) for key, value in message.fields.items()}
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        return int(number) if number.is_integer() else number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return decode_transfer_params(value.struct_value)
+    if kind == "list_value":
+        return [_value(item) for item in value.list_value.values]
+    return None
+
+
+def _ints_as_strings(value: Any) -> Any:
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(key): _ints_as_strings(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_ints_as_strings(item) for item in value]
+    return value
+
+
+class DeltaDecoder:
+    """Turns one engine stream's responses into deltas for choice ``index``.
+
+    The first message of a vLLM stream carries only ``prompt_info``; its counts ride on the
+    choice's first real delta instead of producing an empty delta of their own.
+    """
+
+    __slots__ = ("_prompt_token_ids", "_prompt_tokens", "_want_logprobs", "index")
+
+    def __init__(self, index: int, want_logprobs: bool) -> None:
+        self.index = index
+        self._want_logprobs = want_logprobs
+        self._prompt_tokens: int | None = None
+        self._prompt_token_ids: tuple[int, ...] | None = None
+
+    def feed(self, response: pb.GenerateResponse) -> Delta | None:
+        """The delta this response contributes, or None when it carries nothing to emit yet."""
+        if response.HasField("prompt_info"):
+            info = response.prompt_info
+            self._prompt_tokens = info.num_prompt_tokens
+            if info.token_ids:
+                self._prompt_token_ids = tuple(info.token_ids)
+        output = response.outputs
+        token_ids = output.token_ids
+        finished = output.HasField("finish_info")
+        if not token_ids and not output.text and not finished:
+            return None
+        delta = Delta(index=self.index, text=output.text, token_ids=tuple(token_ids))
+        if self._prompt_tokens is not None:
+            delta.prompt_tokens = self._prompt_tokens
+            delta.prompt_token_ids = self._prompt_token_ids
+            self._prompt_tokens = None
+            self._prompt_token_ids = None
+        if self._want_logprobs and token_ids:
+            delta.logprobs = _logprobs(output)
+        if finished:
+            _finish(delta, output.finish_info)
+        return delta
+
+
+def _logprobs(output: pb.SequenceOutput) -> tuple[TokenLogprob, ...]:
+    logprobs = output.logprobs
+    ranks = output.ranks
+    candidates = output.candidate_tokens
+    result = []
+    for position, token_id in enumerate(output.token_ids):
+        top: tuple[tuple[int, float, int], ...] = ()
+        if position < len(candidates):
+            top = tuple((t.id, t.logprob, t.rank) for t in candidates[position].tokens)
+        result.append(
+            TokenLogprob(
+                token_id,
+                logprobs[position] if position < len(logprobs) else float("nan"),
+                ranks[position] if position < len(ranks) else 0,
+                top,
+            )
+        )
+    return tuple(result)
+
+
+def _finish(delta: Delta, finish: pb.FinishInfo) -> None:
+    reason = _FINISH_REASONS.get(finish.finish_reason)
+    if reason is None:
+        raise EngineFailure("engine finished a sequence without a finish reason")
+    delta.finish_reason = reason
+    delta.completion_tokens = finish.num_output_tokens
+    which = finish.WhichOneof("stop_reason")
+    if which == "stop_token_id":
+        delta.stop_reason = finish.stop_token_id
+    elif which == "stop_string":
+        delta.stop_reason = finish.stop_string
+    # An EOS stop has no stop_reason, as in vLLM's OpenAI server.
+    if finish.HasField("kv_transfer_params"):
+        delta.kv_transfer_params = decode_transfer_params(finish.kv_transfer_params)

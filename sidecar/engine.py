@@ -1,0 +1,544 @@
+"""The sidecar facade: lifecycle, readiness, generation and cancellation.
+
+The app sees only this class. It waits for vLLM's health, discovers and validates the engine,
+then keeps watching: readiness drops while vLLM is unhealthy, and on recovery the engine is
+re-discovered and must still be the same model with the same layout. Generation fans out
+OpenAI ``n`` as ``n`` engine streams, pins each to the router's rank and interleaves their
+deltas; closing the generator drops every stream at once, which makes vLLM abort them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from sidecar.channels import ChannelPool
+from sidecar.config import SidecarConfig
+from sidecar.convert import DeltaDecoder, RequestEncoder, is_decode_handoff
+from sidecar.discovery import Discovered, discover
+from sidecar.endpoint import parse_endpoint
+from sidecar.errors import (
+    DiscoveryError,
+    EngineFailure,
+    EngineUnavailable,
+    FailedPrecondition,
+    InvalidRequest,
+    SidecarError,
+)
+from sidecar.health import HealthWatch, wait_for_serving
+from sidecar.proto.vllm import control_pb2
+from sidecar.routing.base import Router, RouteTicket
+from sidecar.status import error_from_rpc
+from sidecar.types import Delta, EngineInfo, PreparedRequest
+
+log = logging.getLogger(__name__)
+
+RANK_METADATA_KEY = "x-data-parallel-rank"
+# In-flight requests sent without a rank (vLLM's own balancer chooses) are counted here.
+UNPINNED_RANK = -1
+# How long a cancelled disaggregated decode request is kept reading for its first token
+# before Control.Abort, and how long Abort gets to end the stream before it is dropped.
+HANDOFF_WAIT_S = 30.0
+ABORT_GRACE_S = 5.0
+CONTROL_RPC_TIMEOUT_S = 10.0
+LORA_CACHE_TTL_S = 5.0
+
+_EOF = grpc.aio.EOF
+_LIST_LORAS_REQUEST = control_pb2.ListLorasRequest()
+
+
+class _Leg:
+    """One engine request (one choice) and its bookkeeping, released exactly once."""
+
+    __slots__ = (
+        "call",
+        "decoder",
+        "done",
+        "handoff",
+        "parent",
+        "preempted",
+        "rank_key",
+        "request_id",
+        "started",
+        "ticket",
+    )
+
+    def __init__(
+        self,
+        call: Any,
+        ticket: RouteTicket,
+        rank_key: int,
+        request_id: str,
+        parent: str,
+        decoder: DeltaDecoder,
+        handoff: bool,
+    ) -> None:
+        self.call = call
+        self.ticket = ticket
+        self.rank_key = rank_key
+        self.request_id = request_id
+        self.parent = parent
+        self.decoder = decoder
+        self.handoff = handoff
+        self.started = False
+        self.done = False
+        self.preempted = False
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig, router: Router) -> None:
+        self._config = config
+        self._router = router
+        self._endpoint = parse_endpoint(config.endpoint)
+        self._retry_after = max(1.0, config.health_interval)
+        self._pool: ChannelPool | None = None
+        self._watch: HealthWatch | None = None
+        self._baseline: Discovered | None = None
+        self._current: Discovered | None = None
+        self._encoder: RequestEncoder | None = None
+        self._rank_metadata: dict[int, tuple[tuple[str, str], ...]] = {}
+        self._ready = False
+        self._closed = False
+        self._problem = "the engine has not been discovered yet"
+        self._in_flight: dict[int, int] = {}
+        self._legs: dict[str, _Leg] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._kv_off_logged = False
+        self._loras: tuple[float, tuple[str, ...]] | None = None
+        self._lora_fetch: asyncio.Task[tuple[str, ...]] | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Wait for vLLM, discover and validate it, configure and start the router, then watch.
+
+        Raises DiscoveryError for an engine Rankgate must not serve and EngineUnavailable when
+        the engine is not ready before ``startup_timeout``.
+        """
+        if self._pool is not None or self._closed:
+            raise RuntimeError("Sidecar.start() may be called once")
+        config = self._config
+        self._pool = ChannelPool(self._endpoint, config.num_channels, config.tls_ca_file)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.startup_timeout
+        try:
+            await wait_for_serving(self._pool.first.health, deadline, config.retry_interval)
+            discovered = await self._discover_until(deadline)
+            self._router.configure(discovered.info)
+            await self._router.start()
+        except BaseException:
+            pool, self._pool = self._pool, None
+            await pool.close()
+            raise
+        self._baseline = discovered
+        self._activate(discovered)
+        log.info(
+            "serving %s (%s) from vLLM %s at %s: DP ranks %s, block size %d, router %s",
+            discovered.info.served_model_name,
+            discovered.info.model_id,
+            discovered.info.engine_version,
+            self._endpoint.target,
+            list(discovered.info.ranks),
+            discovered.info.block_size,
+            self._router.name,
+        )
+        self._watch = HealthWatch(
+            self._pool.first.health, config.health_interval, self._on_serving, self._on_down
+        )
+        self._watch.start()
+
+    async def close(self) -> None:
+        """Stop watching, pre-empt in-flight streams, stop the router and close the channels."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ready = False
+        self._problem = "the gateway is shutting down"
+        if self._watch is not None:
+            await self._watch.close()
+        for task in list(self._background):
+            task.cancel()
+        for leg in list(self._legs.values()):
+            leg.preempted = True
+            leg.call.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for leg in list(self._legs.values()):
+            self._release(leg)
+        if self._lora_fetch is not None:
+            self._lora_fetch.cancel()
+        if self._pool is not None:
+            await self._router.close()
+            await self._pool.close()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def info(self) -> EngineInfo:
+        current = self._current
+        if not self._ready or current is None:
+            raise EngineUnavailable(self._problem, self._retry_after)
+        return current.info
+
+    def in_flight(self) -> dict[int, int]:
+        """Engine requests this gateway has open, per pinned rank (``UNPINNED_RANK`` for those
+        sent without a rank). Every served rank is listed, idle ones with 0."""
+        counts = dict.fromkeys(self._current.info.ranks, 0) if self._current else {}
+        counts.update(self._in_flight)
+        return counts
+
+    async def _discover_until(self, deadline: float) -> Discovered:
+        loop = asyncio.get_running_loop()
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                return await self._discover(min(max(remaining, 0.1), CONTROL_RPC_TIMEOUT_S))
+            except EngineUnavailable as error:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise EngineUnavailable(
+                        f"engine not discovered before the startup deadline: {error.message}"
+                    ) from None
+                await asyncio.sleep(min(self._config.retry_interval, remaining))
+
+    async def _discover(self, rpc_timeout: float) -> Discovered:
+        assert self._pool is not None
+        stubs = self._pool.first
+        return await discover(
+            stubs.control,
+            stubs.kv_transfer,
+            self._endpoint.host,
+            self._config.served_model_name,
+            rpc_timeout,
+        )
+
+    def _activate(self, discovered: Discovered) -> None:
+        previous = self._current
+        self._current = discovered
+        if previous is None or previous.wire_model != discovered.wire_model:
+            self._encoder = RequestEncoder(discovered.wire_model)
+        if previous is None or previous.info.ranks != discovered.info.ranks:
+            self._rank_metadata = {
+                rank: ((RANK_METADATA_KEY, str(rank)),) for rank in discovered.info.ranks
+            }
+        if not discovered.info.kv_event_sources and not self._kv_off_logged:
+            self._kv_off_logged = True
+            log.info("vLLM advertises no KV-event sources: KV-aware routing is off")
+        self._problem = ""
+        self._ready = True
+
+    def _on_down(self, reason: str) -> None:
+        self._ready = False
+        self._problem = f"the engine is unhealthy: {reason}"
+        log.warning("vLLM is not serving (%s); requests get 503 until it recovers", reason)
+
+    async def _on_serving(self) -> bool:
+        """Re-discover; serve again only when the engine is still the one we started with."""
+        assert self._baseline is not None
+        try:
+            discovered = await self._discover(CONTROL_RPC_TIMEOUT_S)
+        except EngineUnavailable as error:
+            self._set_problem(f"the engine is unavailable: {error.message}", logging.WARNING)
+            return False
+        except DiscoveryError as error:
+            self._set_problem(f"the engine failed validation: {error.message}", logging.ERROR)
+            return False
+        changes = discovered.identity.changes_from(self._baseline.identity)
+        if changes:
+            self._set_problem(
+                "the engine changed since startup; refusing to serve it until it is restored "
+                "or the gateway restarts: " + "; ".join(changes),
+                logging.ERROR,
+            )
+            return False
+        current = self._current
+        assert current is not None
+        if (
+            current.info.instance_id != discovered.info.instance_id
+            or current.info.kv_event_sources != discovered.info.kv_event_sources
+            or current.info.capacity != discovered.info.capacity
+        ):
+            log.info(
+                "vLLM instance %r replaced %r; reconfiguring the router",
+                discovered.info.instance_id,
+                current.info.instance_id,
+            )
+            self._router.configure(discovered.info)
+        if not self._ready:
+            log.info("vLLM is serving again")
+        self._activate(discovered)
+        return True
+
+    def _set_problem(self, problem: str, level: int) -> None:
+        self._ready = False
+        if problem != self._problem:
+            log.log(level, "%s", problem)
+        self._problem = problem
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]:
+        """Stream the deltas of every choice of ``request``, interleaved as they arrive.
+
+        Raises the typed errors of ``sidecar.errors``; nothing is sent to the engine when the
+        request fails validation. Closing the iterator (or cancelling its consumer) drops all
+        of the request's streams at once.
+        """
+        current = self._current
+        encoder = self._encoder
+        if not self._ready or current is None or encoder is None:
+            raise EngineUnavailable(self._problem, self._retry_after)
+        if request.rank is not None and request.rank not in current.info.ranks:
+            raise InvalidRequest(
+                f"data-parallel rank {request.rank} is not served here; "
+                f"ranks: {list(current.info.ranks)}"
+            )
+        messages = encoder.encode(request)
+        handoff = is_decode_handoff(request)
+        want_logprobs = request.output.logprobs is not None
+        legs: list[_Leg] = []
+        reads: dict[asyncio.Task[Any], _Leg] = {}
+        try:
+            for choice, message in enumerate(messages):
+                legs.append(self._launch(request, choice, message, want_logprobs, handoff))
+            if len(legs) == 1 and not handoff:
+                # The common case reads in the consumer's own task: no extra task per token.
+                leg = legs[0]
+                while True:
+                    try:
+                        response = await leg.call.read()
+                    except grpc.aio.AioRpcError as error:
+                        raise self._failure(leg, error) from None
+                    except asyncio.CancelledError:
+                        if self._preempted(leg):
+                            raise self._shutdown_error() from None
+                        raise
+                    if response is _EOF:
+                        raise self._truncated(leg)
+                    delta = self._on_response(leg, response)
+                    if delta is not None:
+                        yield delta
+                        if leg.done:
+                            return
+            else:
+                for leg in legs:
+                    reads[asyncio.ensure_future(leg.call.read())] = leg
+                while reads:
+                    done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        leg = reads.pop(task)
+                        try:
+                            response = task.result()
+                        except grpc.aio.AioRpcError as error:
+                            raise self._failure(leg, error) from None
+                        except asyncio.CancelledError:
+                            if self._preempted(leg):
+                                raise self._shutdown_error() from None
+                            raise
+                        if response is _EOF:
+                            raise self._truncated(leg)
+                        delta = self._on_response(leg, response)
+                        if not leg.done:
+                            reads[asyncio.ensure_future(leg.call.read())] = leg
+                        if delta is not None:
+                            yield delta
+        finally:
+            self._drop(legs, reads)
+
+    def _launch(
+        self,
+        request: PreparedRequest,
+        choice: int,
+        message: Any,
+        want_logprobs: bool,
+        handoff: bool,
+    ) -> _Leg:
+        assert self._pool is not None
+        ticket = self._router.route(request, choice)
+        rank = request.rank if request.rank is not None else ticket.decision.rank
+        metadata = None
+        if rank is not None:
+            metadata = self._rank_metadata.get(rank) or ((RANK_METADATA_KEY, str(rank)),)
+        try:
+            call = self._pool.pick().inference.GenerateStream(message, metadata=metadata)
+        except BaseException:
+            ticket.finished()
+            raise
+        key = UNPINNED_RANK if rank is None else rank
+        leg = _Leg(
+            call,
+            ticket,
+            key,
+            message.request_id,
+            request.request_id,
+            DeltaDecoder(choice, want_logprobs),
+            handoff,
+        )
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        self._legs[leg.request_id] = leg
+        return leg
+
+    def _on_response(self, leg: _Leg, response: Any) -> Delta | None:
+        delta = leg.decoder.feed(response)
+        if delta is None:
+            return None
+        if not leg.started and delta.token_ids:
+            leg.started = True
+            leg.ticket.first_token()
+        if delta.finish_reason is not None:
+            self._release(leg)
+        return delta
+
+    def _release(self, leg: _Leg) -> None:
+        if leg.done:
+            return
+        leg.done = True
+        leg.ticket.finished()
+        remaining = self._in_flight.get(leg.rank_key, 0) - 1
+        if remaining > 0:
+            self._in_flight[leg.rank_key] = remaining
+        else:
+            self._in_flight.pop(leg.rank_key, None)
+        self._legs.pop(leg.request_id, None)
+
+    def _drop(self, legs: list[_Leg], reads: dict[asyncio.Task[Any], _Leg]) -> None:
+        """Cancel every unfinished leg now; decode hand-offs finish their first token first."""
+        pending = {leg: task for task, leg in reads.items()}
+        for task, leg in reads.items():
+            if leg.handoff and not leg.started and not leg.done and not self._closed:
+                continue
+            if task.done():
+                if not task.cancelled():
+                    task.exception()
+            else:
+                task.cancel()
+                task.add_done_callback(_consume_result)
+        for leg in legs:
+            if leg.done:
+                continue
+            if leg.handoff and not leg.started and not self._closed:
+                self._spawn(self._finish_handoff(leg, pending.get(leg)))
+                continue
+            leg.call.cancel()
+            self._release(leg)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _finish_handoff(self, leg: _Leg, read: asyncio.Task[Any] | None) -> None:
+        """Keep reading a cancelled decode request until its first token (SPEC.md section 8),
+        Control.Abort it when that takes too long, and drop it when even Abort does not end it.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HANDOFF_WAIT_S
+        aborted = False
+        try:
+            while True:
+                if read is None:
+                    read = asyncio.ensure_future(leg.call.read())
+                done, _ = await asyncio.wait({read}, timeout=max(deadline - loop.time(), 0.0))
+                if not done:
+                    if aborted:
+                        break
+                    aborted = True
+                    with contextlib.suppress(SidecarError):
+                        await self.abort([leg.request_id])
+                    deadline = loop.time() + ABORT_GRACE_S
+                    continue
+                response, read = read.result(), None
+                if response is _EOF:
+                    break
+                output = response.outputs
+                if output.token_ids or output.HasField("finish_info"):
+                    break
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            if read is not None and not read.done():
+                read.cancel()
+                read.add_done_callback(_consume_result)
+            leg.call.cancel()
+            self._release(leg)
+
+    def _failure(self, leg: _Leg, error: grpc.aio.AioRpcError) -> SidecarError:
+        mapped = error_from_rpc(error, self._retry_after)
+        if isinstance(mapped, (EngineUnavailable, EngineFailure)):
+            log.warning("request %s failed: %s", leg.request_id, mapped.message)
+            if self._watch is not None:
+                self._watch.nudge()
+        return mapped
+
+    @staticmethod
+    def _preempted(leg: _Leg) -> bool:
+        """A read ended in CancelledError because ``close()`` dropped the stream under a live
+        consumer, rather than because the consumer itself was cancelled."""
+        task = asyncio.current_task()
+        return leg.preempted and task is not None and not task.cancelling()
+
+    def _shutdown_error(self) -> EngineUnavailable:
+        return EngineUnavailable("the gateway is shutting down", self._retry_after)
+
+    def _truncated(self, leg: _Leg) -> EngineFailure:
+        if self._watch is not None:
+            self._watch.nudge()
+        return EngineFailure(f"the engine ended request {leg.request_id} without finishing it")
+
+    # ---------------------------------------------------------------- control
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort through ``Control.Abort``: for streams that cannot simply be dropped.
+
+        A gateway request id stands for all of its open choices.
+        """
+        if self._pool is None:
+            raise EngineUnavailable(self._problem, self._retry_after)
+        ids: list[str] = []
+        for rid in request_ids:
+            choices = [leg.request_id for leg in self._legs.values() if leg.parent == rid]
+            ids.extend(choices or (rid,))
+        request = control_pb2.AbortRequest(request_ids=list(dict.fromkeys(ids)))
+        try:
+            await self._pool.first.control.Abort(request, timeout=CONTROL_RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error, self._retry_after) from None
+
+    async def list_loras(self) -> tuple[str, ...]:
+        """Names of the loaded LoRA adapters (cached for a few seconds; () when LoRA is off)."""
+        loop = asyncio.get_running_loop()
+        cached = self._loras
+        if cached is not None and loop.time() - cached[0] < LORA_CACHE_TTL_S:
+            return cached[1]
+        if self._pool is None:
+            raise EngineUnavailable(self._problem, self._retry_after)
+        if self._lora_fetch is None or self._lora_fetch.done():
+            self._lora_fetch = loop.create_task(self._fetch_loras())
+        return await asyncio.shield(self._lora_fetch)
+
+    async def _fetch_loras(self) -> tuple[str, ...]:
+        assert self._pool is not None
+        try:
+            response = await self._pool.first.control.ListLoras(
+                _LIST_LORAS_REQUEST, timeout=CONTROL_RPC_TIMEOUT_S
+            )
+            names = tuple(sorted(adapter.lora_name for adapter in response.adapters))
+        except grpc.aio.AioRpcError as error:
+            mapped = error_from_rpc(error, self._retry_after)
+            if not isinstance(mapped, FailedPrecondition):
+                raise mapped from None
+            names = ()
+        self._loras = (asyncio.get_running_loop().time(), names)
+        return names
+
+
+def _consume_result(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,147 @@
+"""``grpc.health.v1`` probing: the startup wait and the watch that keeps readiness honest.
+
+vLLM reports ``SERVING`` per service and flips to ``NOT_SERVING`` when its engine dies. A
+server that answers ``NOT_FOUND``/``UNIMPLEMENTED`` is not a split-service vLLM at all, so the
+startup wait fails fast on those instead of burning the whole deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from sidecar.errors import DiscoveryError, EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+CONTROL = "vllm.Control"
+INFERENCE = "vllm.Inference"
+SERVICES = (CONTROL, INFERENCE)
+
+_FATAL = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED})
+_REQUESTS = {name: health_pb2.HealthCheckRequest(service=name) for name in SERVICES}
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class NotVllm(DiscoveryError):
+    """The health service does not know vLLM's services: wrong server or wrong port."""
+
+
+async def probe(health: Any, service: str, rpc_timeout: float) -> str | None:
+    """None when ``service`` is SERVING, else why not. Raises NotVllm on NOT_FOUND/UNIMPLEMENTED."""
+    request = _REQUESTS.get(service) or health_pb2.HealthCheckRequest(service=service)
+    try:
+        response = await health.Check(request, timeout=rpc_timeout)
+    except grpc.aio.AioRpcError as error:
+        if error.code() in _FATAL:
+            raise NotVllm(
+                f"health check for {service!r} answered {error.code().name}: "
+                "the endpoint is not a vLLM gRPC server with split services"
+            ) from None
+        return f"{service} health check failed ({error.code().name}: {error.details()})"
+    if response.status != _SERVING:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return f"{service} is {status}"
+    return None
+
+
+async def wait_for_serving(
+    health: Any, deadline: float, retry_interval: float, services: Sequence[str] = SERVICES
+) -> None:
+    """Wait until every service is SERVING, in order, before the loop time ``deadline``."""
+    loop = asyncio.get_running_loop()
+    for service in services:
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise EngineUnavailable(f"engine not ready before the startup deadline: {service}")
+            attempt_timeout = min(remaining, max(retry_interval, 1.0))
+            reason = await probe(health, service, rpc_timeout=attempt_timeout)
+            if reason is None:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise EngineUnavailable(f"engine not ready before the startup deadline: {reason}")
+            log.debug("waiting for vLLM: %s", reason)
+            await asyncio.sleep(min(retry_interval, remaining))
+
+
+class HealthWatch:
+    """Polls health every ``interval`` and reports transitions.
+
+    ``on_serving`` runs when the engine is serving and either was not usable before or a
+    verification is due (every ``verify_every`` polls, or right after :meth:`nudge`); it
+    re-discovers and returns whether the engine may serve. ``on_down`` runs once per outage.
+    Periodic verification catches restarts quicker than one poll interval, which health alone
+    would miss.
+    """
+
+    def __init__(
+        self,
+        health: Any,
+        interval: float,
+        on_serving: Callable[[], Awaitable[bool]],
+        on_down: Callable[[str], None],
+        verify_every: int = 10,
+    ) -> None:
+        self._health = health
+        self._interval = interval
+        self._on_serving = on_serving
+        self._on_down = on_down
+        self._verify_every = verify_every
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.usable = True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="rankgate-health-watch")
+
+    def nudge(self) -> None:
+        """Check and verify now: a stream just failed in a way that hints at a restart."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        polls = 0
+        while True:
+            verify = self._wake.is_set() or polls % self._verify_every == self._verify_every - 1
+            self._wake.clear()
+            polls += 1
+            try:
+                await self._poll(verify)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the watch must outlive any single bad poll
+                log.exception("health watch poll failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval):
+                    await self._wake.wait()
+
+    async def _poll(self, verify: bool) -> None:
+        reason: str | None = None
+        for service in SERVICES:
+            try:
+                reason = await probe(self._health, service, rpc_timeout=max(self._interval, 1.0))
+            except NotVllm as error:
+                reason = error.message
+            if reason is not None:
+                break
+        if reason is not None:
+            if self.usable:
+                self.usable = False
+                self._on_down(reason)
+            return
+        if not self.usable or verify:
+            self.usable = await self._on_serving()
