@@ -1,0 +1,201 @@
+"""Image validation and decoding with Pillow, always on a bounded worker pool.
+
+Pillow decodes and ``hashlib`` hashes with the GIL released, so a few threads give real
+parallelism while the event loop only awaits. Every refusal is an :class:`ImageRefused` with
+a reason a client can act on: format not allowed, too many pixels (decompression bombs are
+refused from the header, before any pixel is decoded), truncated or corrupt data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from multimodal.datauri import parse_data_uri
+from multimodal.errors import ImageRefused
+from multimodal.identity import canonical_rgb, pixel_identity
+from multimodal.lru import BoundedLRU
+
+_EXIF_ORIENTATION = 0x0112
+# Magic numbers of formats Pillow may know, only to name a refused format in the message.
+_MAGIC: tuple[tuple[bytes, int, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+    (b"\xff\xd8\xff", 0, "JPEG"),
+    (b"GIF87a", 0, "GIF"),
+    (b"GIF89a", 0, "GIF"),
+    (b"WEBP", 8, "WEBP"),
+    (b"BM", 0, "BMP"),
+    (b"II*\x00", 0, "TIFF"),
+    (b"MM\x00*", 0, "TIFF"),
+    (b"ftypavif", 4, "AVIF"),
+    (b"ftypheic", 4, "HEIC"),
+    (b"\x00\x00\x00\x0cjP  ", 0, "JPEG2000"),
+    (b"\xff\x4f\xff\x51", 0, "JPEG2000"),
+    (b"8BPS", 0, "PSD"),
+    (b"\x00\x00\x01\x00", 0, "ICO"),
+    (b"%!PS", 0, "EPS"),
+    (b"<svg", 0, "SVG"),
+    (b"<?xml", 0, "SVG"),
+)
+
+
+class DecodeLimits(msgspec.Struct, frozen=True):
+    allowed_formats: tuple[str, ...]
+    max_pixels: int
+
+
+class DecodedImage(msgspec.Struct, frozen=True):
+    """A validated image: its identity, its size after EXIF orientation, and what to send.
+
+    ``data`` is the transport bytes unchanged, or a lossless PNG of the canonical pixels when
+    EXIF orientation had to be applied (vLLM does not apply it, so it must see the turned
+    pixels that the identity describes).
+    """
+
+    uuid: str
+    width: int
+    height: int
+    mime_type: str
+    data: bytes
+
+
+class _Recalled(msgspec.Struct, frozen=True):
+    uuid: str
+    width: int
+    height: int
+    mime_type: str
+    reencoded: bytes | None
+
+
+def sniff_format(data: bytes) -> str | None:
+    for magic, offset, name in _MAGIC:
+        if data[offset : offset + len(magic)] == magic:
+            return name
+    return None
+
+
+def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
+    """Validate and decode ``data``; blocking, meant for a worker thread."""
+    if not data:
+        raise ImageRefused("empty image data")
+    allowed = ", ".join(limits.allowed_formats)
+    try:
+        image = Image.open(io.BytesIO(data), formats=list(limits.allowed_formats))
+    except UnidentifiedImageError:
+        sniffed = sniff_format(data)
+        if sniffed is not None and sniffed not in limits.allowed_formats:
+            raise ImageRefused(f"format {sniffed} is not allowed (allowed: {allowed})") from None
+        raise ImageRefused(f"corrupt or unrecognised image data (allowed: {allowed})") from None
+    except Image.DecompressionBombError:
+        raise ImageRefused(
+            "decompression bomb refused: the header claims more pixels than Pillow will "
+            f"allocate; the limit is {limits.max_pixels}"
+        ) from None
+    except Exception as exc:  # Pillow's parsers raise many types on hostile headers.
+        raise ImageRefused(f"corrupt {sniff_format(data) or 'image'} header: {exc}") from None
+    with image:
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise ImageRefused(f"invalid image size {width}x{height}")
+        if width * height > limits.max_pixels:
+            raise ImageRefused(
+                f"{width}x{height} is {width * height} pixels, over the limit of "
+                f"{limits.max_pixels} (decompression bomb guard)"
+            )
+        fmt = image.format or "unknown"
+        try:
+            image.load()
+            orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+            upright = ImageOps.exif_transpose(image) if orientation != 1 else image
+            rgb = canonical_rgb(upright)
+        except Exception as exc:
+            text = str(exc)
+            if "truncated" in text or isinstance(exc, EOFError):
+                raise ImageRefused(f"truncated {fmt} data: {text or 'unexpected end'}") from None
+            raise ImageRefused(f"corrupt {fmt} data: {text}") from None
+        uuid = pixel_identity(rgb)
+        if upright is image:
+            return DecodedImage(
+                uuid=uuid,
+                width=width,
+                height=height,
+                mime_type=Image.MIME.get(fmt, "application/octet-stream"),
+                data=data,
+            )
+        buffer = io.BytesIO()
+        rgb.save(buffer, format="PNG", compress_level=1)
+        turned = buffer.getvalue()
+        return DecodedImage(
+            uuid=uuid, width=rgb.width, height=rgb.height, mime_type="image/png", data=turned
+        )
+
+
+class ImageDecoder:
+    """Runs :func:`decode_image` on its own thread pool and remembers recent results.
+
+    The memo is keyed by a digest of the transport bytes, so a chat that resends the same
+    images on every turn pays one hash per image instead of a decode. At most ``workers * 2``
+    jobs are handed to the pool at once; the rest wait on the event loop.
+    """
+
+    def __init__(self, limits: DecodeLimits, workers: int, memo_bytes: int) -> None:
+        self._limits = limits
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-image")
+        self._slots = asyncio.Semaphore(workers * 2)
+        self._memo: BoundedLRU[bytes, _Recalled] = BoundedLRU(
+            memo_bytes, cost=lambda r: 256 + (len(r.reencoded) if r.reencoded else 0)
+        )
+        self._memo_lock = threading.Lock()
+        self.decoded = 0
+        self.recalled = 0
+
+    async def decode(self, data: bytes) -> DecodedImage:
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self._decode_or_recall, data)
+
+    async def decode_data_uri(self, uri: str, max_bytes: int) -> DecodedImage:
+        """Like :meth:`decode`; the base64 decoding of the URI happens on the pool too."""
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self._decode_uri, uri, max_bytes)
+
+    def _decode_uri(self, uri: str, max_bytes: int) -> DecodedImage:
+        _, data = parse_data_uri(uri, max_bytes)
+        return self._decode_or_recall(data)
+
+    def _decode_or_recall(self, data: bytes) -> DecodedImage:
+        key = hashlib.sha256(data).digest()
+        with self._memo_lock:
+            hit = self._memo.get(key)
+            if hit is not None:
+                self.recalled += 1
+        if hit is not None:
+            return DecodedImage(
+                uuid=hit.uuid,
+                width=hit.width,
+                height=hit.height,
+                mime_type=hit.mime_type,
+                data=hit.reencoded if hit.reencoded is not None else data,
+            )
+        decoded = decode_image(data, self._limits)
+        remembered = _Recalled(
+            uuid=decoded.uuid,
+            width=decoded.width,
+            height=decoded.height,
+            mime_type=decoded.mime_type,
+            reencoded=decoded.data if decoded.data is not data else None,
+        )
+        with self._memo_lock:
+            self.decoded += 1
+            self._memo.put(key, remembered)
+        return decoded
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,165 @@
+"""How many prompt tokens each image becomes inside vLLM, for routing on image blocks.
+
+The prompt carries one placeholder token per image and vLLM expands it; the router must know
+the expanded length to hash the same blocks vLLM reports. For model families with a known
+rule it is computed from the image size (:class:`QwenVLPatchMerge`, :class:`FixedTokens`);
+for any other model it is learned from the first request that carries the image, as
+``PromptInfo.num_prompt_tokens`` minus the text tokens (:class:`LearnedTokenCounts`). When
+neither knows, the count is None and the router routes on the text before the first image.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from multimodal.errors import ImageRefused
+from multimodal.lru import BoundedLRU
+from multimodal.types import MediaConfig
+from sidecar.types import MediaInput
+
+_QWEN_MAX_ASPECT = 200
+
+
+class ImageTokenFormula(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def tokens(self, width: int, height: int) -> int:
+        """Expanded token count of a ``width`` x ``height`` image (after EXIF orientation)."""
+        ...
+
+
+class QwenVLPatchMerge:
+    """Qwen2-VL / Qwen2.5-VL: resize to multiples of ``patch * merge`` within a pixel budget.
+
+    Each side is rounded to the nearest multiple of the factor; if the area then leaves
+    ``[min_pixels, max_pixels]``, both sides are scaled by the square root of the area ratio
+    and floored (too big) or ceiled (too small) to the factor. One token per merged patch.
+    """
+
+    name = "qwen2_vl"
+
+    def __init__(self, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int):
+        self._patch = patch_size
+        self._merge = merge_size
+        self._factor = patch_size * merge_size
+        self._min_pixels = min_pixels
+        self._max_pixels = max_pixels
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        if max(width, height) / min(width, height) > _QWEN_MAX_ASPECT:
+            raise ImageRefused(
+                f"aspect ratio of {width}x{height} is over {_QWEN_MAX_ASPECT}, "
+                "which Qwen2-VL models refuse"
+            )
+        f = self._factor
+        h_bar = round(height / f) * f
+        w_bar = round(width / f) * f
+        if h_bar * w_bar > self._max_pixels:
+            beta = math.sqrt(height * width / self._max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif h_bar * w_bar < self._min_pixels:
+            beta = math.sqrt(self._min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return w_bar, h_bar
+
+    def tokens(self, width: int, height: int) -> int:
+        w_bar, h_bar = self.resized(width, height)
+        return (w_bar // self._patch) * (h_bar // self._patch) // (self._merge * self._merge)
+
+
+class FixedTokens:
+    """Families that resize every image to one shape, e.g. LLaVA-1.5: (336/14)^2 = 576."""
+
+    name = "fixed"
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+
+    def tokens(self, width: int, height: int) -> int:
+        return self._count
+
+
+_QWEN_MARKERS = ("qwen2-vl", "qwen2_vl", "qwen2.5-vl", "qwen2_5_vl", "qwen2.5_vl", "qwen2_5-vl")
+_LLAVA_15_MARKERS = ("llava-1.5", "llava-v1.5", "llava_1.5", "llava-1_5", "llava_v1.5")
+
+
+def formula_for(config: MediaConfig, model_id: str) -> ImageTokenFormula | None:
+    """The formula ``config.token_family`` selects; "auto" matches the model id's family."""
+    family = config.token_family
+    if family == "auto":
+        lowered = model_id.lower()
+        if any(marker in lowered for marker in _QWEN_MARKERS):
+            family = "qwen2_vl"
+        elif any(marker in lowered for marker in _LLAVA_15_MARKERS):
+            family = "llava_1_5"
+        else:
+            return None
+    if family == "qwen2_vl":
+        return QwenVLPatchMerge(
+            config.qwen_patch_size,
+            config.qwen_merge_size,
+            config.qwen_min_pixels,
+            config.qwen_max_pixels,
+        )
+    if family == "llava_1_5":
+        return FixedTokens(config.fixed_image_tokens)
+    return None
+
+
+class LearnedTokenCounts:
+    """Expanded token counts observed from vLLM, by image uuid, LRU-bounded.
+
+    What vLLM reports is the truth, so an observation overrides a formula's count.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._counts: BoundedLRU[str, int] = BoundedLRU(capacity)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def get(self, uuid: str) -> int | None:
+        return self._counts.get(uuid)
+
+    def observe(
+        self,
+        media: Sequence[MediaInput],
+        prompt_len: int,
+        expanded_prompt_tokens: int,
+    ) -> str | None:
+        """Learn from one request; returns the uuid learnt, if any.
+
+        ``prompt_len`` counts the prompt as sent (one placeholder per image) and
+        ``expanded_prompt_tokens`` is vLLM's count after expansion, so the images together
+        expand to ``expanded - prompt_len + len(media)`` tokens. That pins down one count when
+        only one distinct image is unaccounted for; otherwise nothing is learnt.
+        """
+        if not media:
+            return None
+        image_total = expanded_prompt_tokens - prompt_len + len(media)
+        distinct = {item.uuid for item in media}
+        if len(distinct) == 1:
+            unknown = next(iter(distinct))
+        else:
+            known: dict[str, int] = {}
+            for item in media:
+                count = self.get(item.uuid)
+                count = count if count is not None else item.num_tokens
+                if count is not None:
+                    known[item.uuid] = count
+            missing = distinct - known.keys()
+            if len(missing) != 1:
+                return None
+            unknown = next(iter(missing))
+            image_total -= sum(known[item.uuid] for item in media if item.uuid in known)
+        repeats = sum(1 for item in media if item.uuid == unknown)
+        count, remainder = divmod(image_total, repeats)
+        if remainder or count <= 0:
+            return None
+        self._counts.put(unknown, count)
+        return unknown
