@@ -57,19 +57,18 @@ async def wait_for_serving(
     """Wait until every service is SERVING, in order, before the loop time ``deadline``."""
     loop = asyncio.get_running_loop()
     for service in services:
+        reason = f"{service} was not probed"
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise EngineUnavailable(f"engine not ready before the startup deadline: {service}")
-            attempt_timeout = min(remaining, max(retry_interval, 1.0))
-            reason = await probe(health, service, rpc_timeout=attempt_timeout)
-            if reason is None:
-                break
-            remaining = deadline - loop.time()
-            if remaining <= 0:
                 raise EngineUnavailable(f"engine not ready before the startup deadline: {reason}")
+            attempt_timeout = min(remaining, max(retry_interval, 1.0))
+            found = await probe(health, service, rpc_timeout=attempt_timeout)
+            if found is None:
+                break
+            reason = found
             log.debug("waiting for vLLM: %s", reason)
-            await asyncio.sleep(min(retry_interval, remaining))
+            await asyncio.sleep(min(retry_interval, max(deadline - loop.time(), 0.0)))
 
 
 class HealthWatch:
