@@ -1,0 +1,1 @@
+"""A mock vLLM engine that speaks vLLM's gRPC contract, for tests, benches and demos."""

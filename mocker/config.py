@@ -1,0 +1,146 @@
+"""Everything that shapes one mock vLLM frontend and its data-parallel group.
+
+Field names are a contract: tests, benches and the gateway's embedded default build this value
+directly, and ``rankgate mock-engine`` maps its flags onto it one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+KvRole = Literal["both", "producer", "consumer"]
+EventFormat = Literal["map", "array"]
+
+
+class ConfigError(ValueError):
+    """A configuration real vLLM would refuse to start with."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MockEngineConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Data-parallel topology, with vLLM's meaning: this frontend serves ranks
+    # ``dp_start_rank .. dp_start_rank + dp_local_size`` (0 = the whole group).
+    dp_size: int = 1
+    dp_start_rank: int = 0
+    dp_local_size: int = 0
+    # Model identity as GetModelInfo reports it.
+    model: str = "mock-model"
+    served_model_aliases: tuple[str, ...] = ()
+    model_id: str = ""
+    tokenizer: str | None = None
+    reasoning_parser: str = ""
+    tool_call_parser: str = ""
+    engine_version: str = "0.32.0"
+    # Capacity as GetServerInfo reports it; ``total_kv_blocks`` spans all local ranks.
+    block_size: int = 16
+    total_kv_blocks: int = 8192
+    max_running_requests: int = 128
+    max_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    # Vocabulary used when no tokenizer is configured.
+    vocab_size: int = 32000
+    # KV events: PUB at ``kv_events_port + rank`` and replay ROUTER at ``kv_replay_port + rank``.
+    # A host with ``*`` or ``::`` binds; a concrete host connects, exactly like vLLM's publisher.
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
+    kv_events_host: str = "*"
+    kv_events_topic: str = ""
+    kv_replay_buffer_steps: int = 10_000
+    kv_events_hwm: int = 100_000
+    # "map": events as maps tagged by "type" (vLLM 0.32); "array": tagged arrays (older builds).
+    kv_event_format: EventFormat = "map"
+    # Timing: 0.0 answers as fast as the CPU allows; 1.0 follows the GPU-like model below;
+    # larger values run proportionally faster.
+    speed: float = 1.0
+    prefill_seconds_per_token: float = 50e-6
+    decode_step_seconds: float = 8e-3
+    decode_seconds_per_sequence: float = 60e-6
+    seed: int = 0
+    # Chance per generated token (after ``min_tokens``) that the model ends with EOS.
+    eos_probability: float = 1 / 64
+    # Input capabilities.
+    supports_text_input: bool = True
+    supports_multimodal: bool = True
+    image_token_id: int | None = None
+    image_patch_size: int = 28
+    image_max_tokens: int = 1024
+    media_max_bytes: int = 20 << 20
+    loras: tuple[str, ...] = ()
+    max_loras: int = 0
+    # Slow start: health reports NOT_SERVING for this long after the server starts.
+    startup_delay_s: float = 0.0
+    # Disaggregated serving role reported in prefill answers' kv_transfer_params.
+    kv_role: KvRole = "both"
+    kv_connector_host: str = "127.0.0.1"
+    kv_connector_port: int = 5600
+    instance_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ConfigError("data_parallel_size must be at least 1")
+        if self.dp_start_rank < 0 or self.dp_start_rank >= self.dp_size:
+            raise ConfigError(
+                f"data_parallel_rank {self.dp_start_rank} is outside the group of {self.dp_size}"
+            )
+        if self.dp_local_size < 0 or self.dp_start_rank + self.dp_local_size > self.dp_size:
+            raise ConfigError(
+                f"data_parallel_size_local {self.dp_local_size} from rank {self.dp_start_rank} "
+                f"exceeds data_parallel_size {self.dp_size}"
+            )
+        if self.dp_local_size == 0 and self.dp_start_rank != 0:
+            raise ConfigError("data_parallel_size_local 0 means the whole group; start must be 0")
+        if self.block_size < 1:
+            raise ConfigError("block_size must be positive")
+        if self.total_kv_blocks < self.local_size:
+            raise ConfigError("total_kv_blocks must give every local rank at least one block")
+        if self.max_running_requests < 1 or self.max_batched_tokens < 1:
+            raise ConfigError("max_running_requests and max_batched_tokens must be positive")
+        if self.max_model_len < 1:
+            raise ConfigError("max_model_len must be positive")
+        if self.speed < 0:
+            raise ConfigError("speed must be >= 0 (0 = zero latency)")
+        if not self.model.strip():
+            raise ConfigError("model (served name) must not be empty")
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ConfigError("eos_probability must lie in [0, 1]")
+
+    @property
+    def local_size(self) -> int:
+        return self.dp_local_size or self.dp_size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.dp_start_rank, self.dp_start_rank + self.local_size))
+
+    @property
+    def blocks_per_rank(self) -> int:
+        return self.total_kv_blocks // self.local_size
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model, *self.served_model_aliases)
+
+    @property
+    def resolved_model_id(self) -> str:
+        return self.model_id or self.tokenizer or self.model
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def kv_endpoint(self, rank: int) -> str | None:
+        if self.kv_events_port is None:
+            return None
+        return f"tcp://{_bracket(self.kv_events_host)}:{self.kv_events_port + rank}"
+
+    def kv_replay_endpoint(self, rank: int) -> str | None:
+        if self.kv_events_port is None or self.kv_replay_port is None:
+            return None
+        return f"tcp://{_bracket(self.kv_events_host)}:{self.kv_replay_port + rank}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

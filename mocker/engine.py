@@ -1,0 +1,457 @@
+"""One data-parallel rank: a continuous-batching scheduler over a paged, prefix-cached KV pool.
+
+Each step schedules up to ``max_batched_tokens`` tokens across at most ``max_running_requests``
+sequences (chunked prefill included), takes as long as the timing model says a GPU would, and
+then emits one token per sequence whose inputs are all computed. Prefix-cache hits skip
+prefill work, so they show up in TTFT; a bigger batch makes every step slower, so load shows
+up in inter-token latency. Out of KV blocks, the newest request is preempted and recomputed
+later, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from mocker.cache import Block, ExtraKeys, PrefixCache, block_hash
+from mocker.config import MockEngineConfig
+from mocker.events import KvEventPublisher
+from mocker.output import Emitted, Finish, Sequence
+from mocker.request import MockRequest
+from mocker.status import ENGINE_DEAD, RpcStatus, internal
+from mocker.vocab import Vocabulary
+
+
+class State(Enum):
+    WAITING = 1
+    RUNNING = 2
+    FINISHED = 3
+
+
+class Outbox:
+    """Hands a request's output from the scheduler to its RPC, merging what piles up.
+
+    Like vLLM's output collector, a reader that falls behind receives everything produced
+    since its last read in one go, so a slow client never slows the scheduler down.
+    """
+
+    __slots__ = ("_error", "_items", "_waiter", "finished")
+
+    def __init__(self) -> None:
+        self._items: list[Emitted] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: RpcStatus | None = None
+        self.finished = False
+
+    def put(self, item: Emitted) -> None:
+        self._items.append(item)
+        if item.finish is not Finish.NOT_FINISHED:
+            self.finished = True
+        self._wake()
+
+    def fail(self, error: RpcStatus) -> None:
+        self._error = error
+        self.finished = True
+        self._wake()
+
+    async def take(self) -> list[Emitted]:
+        """Everything pending; raises the engine's error once the engine has failed."""
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    """Scheduler state of one request; ``tokens`` holds the prompt followed by the output."""
+
+    req: MockRequest
+    sequence: Sequence
+    outbox: Outbox
+    tokens: list[int]
+    arrival: float
+    state: State = State.WAITING
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    extra: list[ExtraKeys] = field(default_factory=list)
+    num_computed: int = 0
+    num_committed: int = 0
+    cached_tokens: int = 0
+    admitted: bool = False
+    remote_prefill: bool = False
+    first_token_at: float | None = None
+    kv_transfer_out: dict[str, Any] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+
+@dataclass(slots=True)
+class RankCounters:
+    """What tests read to prove which rank served what; plain ints, written by one thread."""
+
+    requests_received: int = 0
+    requests_served: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    aborts: int = 0
+    preemptions: int = 0
+    failed: int = 0
+    stranded_transfers: int = 0
+    steps: int = 0
+
+
+class RankEngine:
+    """The scheduler loop of one DP rank; lives on the server's event loop."""
+
+    def __init__(
+        self,
+        rank: int,
+        config: MockEngineConfig,
+        vocab: Vocabulary,
+        publisher: KvEventPublisher | None,
+    ) -> None:
+        self.rank = rank
+        self.config = config
+        self.vocab = vocab
+        self.publisher = publisher
+        self.cache = PrefixCache(config.blocks_per_rank, config.block_size)
+        self.counters = RankCounters()
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._dead: RpcStatus | None = None
+        self.die_after_tokens: int | None = None
+        self.on_death: Callable[[], None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"mock-rank-{self.rank}"
+        )
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    def kill(self, error: RpcStatus | None = None) -> None:
+        """Engine death: every in-flight request fails, new ones are refused."""
+        self._dead = error or internal(ENGINE_DEAD)
+        for request in list(self.requests.values()):
+            self._drop(request)
+            request.outbox.fail(self._dead)
+            self.counters.failed += 1
+        self._wakeup.set()
+        if self.on_death is not None:
+            self.on_death()
+
+    def revive(self) -> None:
+        self._dead = None
+
+    # ---- load, as vLLM's DP balancer sees it ------------------------------------------------
+
+    @property
+    def load_score(self) -> int:
+        return len(self.waiting) * 4 + len(self.running)
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def submit(self, req: MockRequest) -> EngineRequest:
+        if self._dead is not None:
+            raise self._dead
+        if req.request_id in self.requests:
+            raise internal(f"request `{req.request_id}` is already in flight")
+        request = EngineRequest(
+            req=req,
+            sequence=Sequence(req.spec, self.vocab),
+            outbox=Outbox(),
+            tokens=list(req.prompt),
+            arrival=time.monotonic(),
+        )
+        params = req.kv_transfer_params or {}
+        request.remote_prefill = bool(params.get("do_remote_prefill"))
+        self.requests[req.request_id] = request
+        self.counters.requests_received += 1
+        if req.spec.max_tokens == 0:
+            self._finish(request, Emitted(-1, "", None, Finish.LENGTH, None, False), count=False)
+            return request
+        self.waiting.append(request)
+        self._wakeup.set()
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Abort by id (Control.Abort or a dropped stream); the stream ends with ABORTED."""
+        request = self.requests.get(request_id)
+        if request is None or request.state is State.FINISHED:
+            return False
+        if request.remote_prefill and request.first_token_at is None:
+            self.counters.stranded_transfers += 1
+        self.counters.aborts += 1
+        self._finish(request, Emitted(-1, "", None, Finish.ABORTED, None, False), count=False)
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        self.cache.clear()
+        self._publish()
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        speed = self.config.speed
+        while True:
+            if not self.running and not self.waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if self._dead is not None:
+                await asyncio.sleep(0.01)
+                continue
+            batch, prefill_tokens = self._schedule()
+            if speed > 0.0:
+                await asyncio.sleep(self._step_seconds(len(batch), prefill_tokens) / speed)
+            else:
+                await asyncio.sleep(0)
+            self._apply(batch)
+            self._publish()
+
+    def _step_seconds(self, sequences: int, prefill_tokens: int) -> float:
+        if sequences == 0:
+            return 0.001
+        c = self.config
+        return (
+            c.decode_step_seconds
+            + c.decode_seconds_per_sequence * sequences
+            + c.prefill_seconds_per_token * prefill_tokens
+        )
+
+    def _schedule(self) -> tuple[list[tuple[EngineRequest, int]], int]:
+        budget = self.config.max_batched_tokens
+        batch: list[tuple[EngineRequest, int]] = []
+        prefill = 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            take = min(len(request.tokens) - request.num_computed, budget)
+            if not self._reserve(request, request.num_computed + take):
+                if not self._preempt_for(request):
+                    break
+                continue
+            batch.append((request, take))
+            budget -= take
+            prefill += take - 1
+            index += 1
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_running_requests:
+                break
+            request = self.waiting[0]
+            if not self._admit(request):
+                break
+            self.waiting.popleft()
+            request.state = State.RUNNING
+            self.running.append(request)
+            take = min(len(request.tokens) - request.num_computed, budget)
+            if not self._reserve(request, request.num_computed + take):
+                break
+            batch.append((request, take))
+            budget -= take
+            prefill += take - 1
+        return batch, prefill
+
+    def _admit(self, request: EngineRequest) -> bool:
+        """Match the prefix cache and take blocks for the first chunk; False if out of KV."""
+        size = self.config.block_size
+        total = len(request.tokens)
+        self._extend_hashes(request, total // size)
+        hits: list[Block] = []
+        if request.remote_prefill and not request.admitted:
+            cached = total - 1
+        else:
+            if not request.req.bypass_prefix_cache:
+                limit = (total - 1) // size
+                hits = self.cache.match(request.hashes[:limit])
+            cached = len(hits) * size
+        first_chunk = min(total - cached, self.config.max_batched_tokens)
+        needed = -(-(cached + first_chunk) // size) - len(hits)
+        if needed > self.cache.num_free - sum(1 for b in hits if b.ref == 0 and b.hash):
+            return False
+        self.cache.acquire(hits)
+        fresh = self.cache.allocate(needed)
+        if fresh is None:
+            self.cache.release(hits)
+            return False
+        request.blocks = [*hits, *fresh]
+        request.num_computed = cached
+        request.num_committed = len(hits)
+        if not request.admitted:
+            request.admitted = True
+            request.cached_tokens = len(hits) * size
+            self.counters.prompt_tokens += len(request.req.prompt)
+            self.counters.cached_tokens += request.cached_tokens
+        return True
+
+    def _reserve(self, request: EngineRequest, tokens: int) -> bool:
+        needed = -(-tokens // self.config.block_size) - len(request.blocks)
+        if needed <= 0:
+            return True
+        fresh = self.cache.allocate(needed)
+        if fresh is None:
+            return False
+        request.blocks.extend(fresh)
+        return True
+
+    def _preempt_for(self, request: EngineRequest) -> bool:
+        """Free the newest running request's blocks; False when it is ``request`` itself."""
+        victim = self.running[-1]
+        self._preempt(victim)
+        return victim is not request
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self.cache.release(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+        request.num_committed = 0
+        request.state = State.WAITING
+        self.waiting.appendleft(request)
+        self.counters.preemptions += 1
+
+    def _apply(self, batch: list[tuple[EngineRequest, int]]) -> None:
+        self.counters.steps += 1
+        now = time.monotonic()
+        for request, take in batch:
+            if request.state is not State.RUNNING:
+                continue
+            request.num_computed += take
+            self._commit_full_blocks(request)
+            if request.num_computed < len(request.tokens):
+                continue
+            emitted = request.sequence.next_token()
+            request.tokens.append(emitted.token_id)
+            self.counters.generated_tokens += 1
+            if request.first_token_at is None:
+                request.first_token_at = now
+            if emitted.finish is Finish.NOT_FINISHED and len(request.tokens) >= (
+                self.config.max_model_len
+            ):
+                emitted.text += request.sequence.finish_length()
+                emitted.finish = Finish.LENGTH
+            if emitted.finish is not Finish.NOT_FINISHED:
+                self._finish(request, emitted, count=True)
+            else:
+                request.outbox.put(emitted)
+            limit = self.die_after_tokens
+            if limit is not None and request.sequence.num_tokens >= limit:
+                self.die_after_tokens = None
+                self.kill()
+                return
+
+    def _commit_full_blocks(self, request: EngineRequest) -> None:
+        size = self.config.block_size
+        full = min(request.num_computed // size, len(request.blocks))
+        start = request.num_committed
+        if full <= start:
+            return
+        self._extend_hashes(request, full)
+        parent = request.hashes[start - 1] if start else None
+        self.cache.commit(
+            request.blocks[start:full],
+            request.hashes[start:full],
+            parent,
+            request.tokens[start * size : full * size],
+            request.extra[start:full],
+            request.req.lora or None,
+        )
+        request.num_committed = full
+
+    def _extend_hashes(self, request: EngineRequest, blocks: int) -> None:
+        size = self.config.block_size
+        req = request.req
+        for index in range(len(request.hashes), blocks):
+            start, end = index * size, (index + 1) * size
+            keys: list[str] = []
+            if req.lora:
+                keys.append(req.lora)
+            keys.extend(
+                span.identifier
+                for span in req.media
+                if span.offset < end and span.offset + span.length > start
+            )
+            if index == 0 and req.cache_salt:
+                keys.append(req.cache_salt)
+            extra: ExtraKeys = tuple(keys) if keys else None
+            parent = request.hashes[index - 1] if index else None
+            request.hashes.append(block_hash(parent, request.tokens[start:end], extra))
+            request.extra.append(extra)
+
+    def _finish(self, request: EngineRequest, emitted: Emitted, *, count: bool) -> None:
+        if count:
+            self.counters.requests_served += 1
+            params = request.req.kv_transfer_params or {}
+            if params.get("do_remote_decode"):
+                emitted_params = self._transfer_params(request)
+                request.kv_transfer_out = emitted_params
+        self._drop(request)
+        request.outbox.put(emitted)
+
+    def _drop(self, request: EngineRequest) -> None:
+        if request.state is State.RUNNING:
+            self.running.remove(request)
+        elif request.state is State.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        request.state = State.FINISHED
+        if request.blocks:
+            self.cache.release(request.blocks)
+            request.blocks = []
+        self.requests.pop(request.request_id, None)
+
+    def _transfer_params(self, request: EngineRequest) -> dict[str, Any]:
+        c = self.config
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [b.block_id for b in request.blocks],
+            "remote_engine_id": f"{c.instance_id or 'mock'}-dp{self.rank}",
+            "remote_host": c.kv_connector_host,
+            "remote_port": str(c.kv_connector_port + self.rank),
+            "tp_size": 1,
+        }
+
+    def _publish(self) -> None:
+        events = self.cache.take_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)

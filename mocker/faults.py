@@ -1,0 +1,140 @@
+"""Faults on demand: the ways a real vLLM misbehaves, switched on by flags or by tests.
+
+Everything here runs on the server's event loop; :class:`~mocker.testing.MockEngineHandle`
+forwards calls from other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
+
+from mocker.group import DpGroup
+from mocker.status import RpcStatus, resource_exhausted
+
+SERVICES = ("", "vllm.Inference", "vllm.Control")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(slots=True)
+class Rejection:
+    remaining: int
+    message: str
+
+
+class Faults:
+    def __init__(self, group: DpGroup, health: HealthServicer) -> None:
+        self._group = group
+        self._health = health
+        self._rejection: Rejection | None = None
+        self._flapper: asyncio.Task[None] | None = None
+        self._slow_start: asyncio.Task[None] | None = None
+        self.serving = False
+        self._death_task: asyncio.Task[None] | None = None
+        for engine in group.engines.values():
+            engine.on_death = self._on_death
+
+    async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+        status = SERVING if serving else NOT_SERVING
+        for service in SERVICES:
+            await self._health.set(service, status)
+
+    # ---- slow start and flapping ------------------------------------------------------------
+
+    async def slow_start(self, seconds: float) -> None:
+        """Report NOT_SERVING for ``seconds`` (model loading), then SERVING."""
+        await self.set_serving(False)
+        if seconds <= 0:
+            await self.set_serving(True)
+            return
+        self._slow_start = asyncio.get_running_loop().create_task(self._serve_after(seconds))
+
+    async def _serve_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await self.set_serving(True)
+
+    async def flap_health(self, period_s: float, count: int) -> None:
+        """Toggle health ``count`` times, ``period_s`` apart, ending where it started."""
+        await self._stop_flapping()
+        self._flapper = asyncio.get_running_loop().create_task(self._flap(period_s, count))
+
+    async def _flap(self, period_s: float, count: int) -> None:
+        start = self.serving
+        for _ in range(count):
+            await asyncio.sleep(period_s)
+            await self.set_serving(not self.serving)
+        await self.set_serving(start)
+
+    async def _stop_flapping(self) -> None:
+        if self._flapper is not None:
+            self._flapper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flapper
+            self._flapper = None
+
+    # ---- engine death ----------------------------------------------------------------------
+
+    async def kill_engine(self) -> None:
+        """All in-flight streams fail with INTERNAL; health turns NOT_SERVING."""
+        for engine in self._group.engines.values():
+            engine.kill()
+        await self.set_serving(False)
+
+    def kill_after_tokens(self, tokens: int) -> None:
+        """Die as soon as any request has produced ``tokens`` tokens (mid-stream death)."""
+        for engine in self._group.engines.values():
+            engine.die_after_tokens = tokens
+
+    async def revive_engine(self) -> None:
+        for engine in self._group.engines.values():
+            engine.revive()
+        await self.set_serving(True)
+
+    def _on_death(self) -> None:
+        """A rank died on its own (``kill_after_tokens``): health follows, as on vLLM."""
+        if self.serving:
+            self._death_task = asyncio.get_running_loop().create_task(self.set_serving(False))
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def reject_requests(self, count: int = -1, message: str = "engine overloaded") -> None:
+        """Refuse the next ``count`` requests (-1: all) with RESOURCE_EXHAUSTED."""
+        self._rejection = Rejection(count, message) if count else None
+
+    def check_admission(self) -> None:
+        rejection = self._rejection
+        if rejection is None:
+            return
+        if rejection.remaining > 0:
+            rejection.remaining -= 1
+            if rejection.remaining == 0:
+                self._rejection = None
+        raise resource_exhausted(rejection.message)
+
+    # ---- KV events ---------------------------------------------------------------------------
+
+    async def restart_kv_publisher(self, rank: int | None = None) -> None:
+        for engine in self._group.engines.values():
+            if engine.publisher is not None and rank in (None, engine.rank):
+                await engine.publisher.restart()
+
+    def drop_kv_batches(self, count: int, rank: int | None = None) -> None:
+        for engine in self._group.engines.values():
+            if engine.publisher is not None and rank in (None, engine.rank):
+                engine.publisher.drop_next(count)
+
+    async def close(self) -> None:
+        await self._stop_flapping()
+        if self._slow_start is not None:
+            self._slow_start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._slow_start
+
+
+__all__ = ["NOT_SERVING", "SERVING", "Faults", "RpcStatus"]

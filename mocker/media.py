@@ -1,0 +1,177 @@
+"""Images attached to a request: where their bytes come from, who they are, how big they get.
+
+vLLM expands each image placeholder in the prompt into as many tokens as the vision encoder
+produces for that image; the mock derives the count from the image's pixel size (one token
+per ``patch`` x ``patch`` tile, capped), which keeps it a pure function of the content, and
+identifies each image by the caller's ``uuid`` (the key vLLM uses for its caches) or, when
+absent, by a SHA-256 of its bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+import httpx
+from PIL import Image, UnidentifiedImageError
+
+from mocker.status import invalid_argument
+from sidecar.proto.vllm import inference_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """An expanded image inside the prompt: its identity and placeholder range."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePolicy:
+    image_token_id: int
+    patch_size: int
+    max_tokens: int
+    max_bytes: int
+
+    def tokens_for(self, width: int, height: int) -> int:
+        tiles = math.ceil(width / self.patch_size) * math.ceil(height / self.patch_size)
+        return max(1, min(self.max_tokens, tiles))
+
+
+class MediaResolver:
+    """Fetches and measures media; owns the one HTTP client used for ``url`` sources."""
+
+    def __init__(self, policy: ImagePolicy | None) -> None:
+        self.policy = policy
+        self._client: httpx.AsyncClient | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def expand(
+        self, prompt: list[int], media: list[inference_pb2.MediaItem], lora: str
+    ) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """Replace each placeholder with the image's tokens, in order."""
+        policy = self.policy
+        if policy is None:
+            raise invalid_argument("this model does not support multimodal inputs")
+        if any(item.WhichOneof("source") == "features" for item in media):
+            return prompt, self._preprocessed(prompt, media, lora)
+        positions = [i for i, t in enumerate(prompt) if t == policy.image_token_id]
+        if len(positions) != len(media):
+            raise invalid_argument(
+                f"the prompt has {len(positions)} image placeholder token(s) "
+                f"(id {policy.image_token_id}) but the request carries {len(media)} media item(s)"
+            )
+        expanded: list[int] = []
+        spans: list[MediaSpan] = []
+        cursor = 0
+        for index, (position, item) in enumerate(zip(positions, media, strict=True)):
+            data = await self._bytes(index, item)
+            width, height = _image_size(index, data)
+            count = policy.tokens_for(width, height)
+            expanded.extend(prompt[cursor:position])
+            identifier = item.uuid or hashlib.sha256(data).hexdigest()
+            if lora:
+                identifier = f"{lora}:{identifier}"
+            spans.append(MediaSpan(identifier, len(expanded), count))
+            expanded.extend([policy.image_token_id] * count)
+            cursor = position + 1
+        expanded.extend(prompt[cursor:])
+        return expanded, tuple(spans)
+
+    def _preprocessed(
+        self, prompt: list[int], media: list[inference_pb2.MediaItem], lora: str
+    ) -> tuple[MediaSpan, ...]:
+        spans: list[MediaSpan] = []
+        for index, item in enumerate(media):
+            if item.WhichOneof("source") != "features":
+                raise invalid_argument(
+                    "media items must all be preprocessed features or all be raw sources"
+                )
+            features = item.features
+            if features.offset + features.length > len(prompt):
+                raise invalid_argument(
+                    f"media[{index}].features placeholder range exceeds token_ids"
+                )
+            identifier = features.identifier or item.uuid
+            if lora:
+                identifier = f"{lora}:{identifier}"
+            spans.append(MediaSpan(identifier, features.offset, features.length))
+        return tuple(spans)
+
+    async def _bytes(self, index: int, item: inference_pb2.MediaItem) -> bytes:
+        assert self.policy is not None
+        if item.modality not in (inference_pb2.MODALITY_UNSPECIFIED, inference_pb2.MODALITY_IMAGE):
+            raise invalid_argument(f"media[{index}]: only image media are supported")
+        source = item.WhichOneof("source")
+        if source == "raw_bytes":
+            data = item.raw_bytes
+        elif source == "data_uri":
+            data = _decode_data_uri(index, item.data_uri)
+        elif source == "url":
+            data = await self._fetch(index, item.url)
+        else:
+            raise invalid_argument(f"media[{index}] has no source")
+        if len(data) > self.policy.max_bytes:
+            raise invalid_argument(
+                f"media[{index}] is {len(data)} bytes; the limit is {self.policy.max_bytes}"
+            )
+        return data
+
+    async def _fetch(self, index: int, url: str) -> bytes:
+        if url.startswith("data:"):
+            return _decode_data_uri(index, url)
+        if not url.startswith(("http://", "https://")):
+            raise invalid_argument(f"media[{index}].url must be http(s) or data: (got {url!r})")
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=10.0, follow_redirects=True)
+        assert self.policy is not None
+        try:
+            async with self._client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise invalid_argument(
+                        f"media[{index}]: fetching {url} returned HTTP {response.status_code}"
+                    )
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > self.policy.max_bytes:
+                        raise invalid_argument(f"media[{index}]: {url} exceeds the size limit")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except httpx.HTTPError as exc:
+            raise invalid_argument(f"media[{index}]: fetching {url} failed: {exc}") from exc
+
+
+def _decode_data_uri(index: int, uri: str) -> bytes:
+    header, sep, payload = uri.partition(",")
+    if not header.startswith("data:") or not sep:
+        raise invalid_argument(f"media[{index}].data_uri is not a data: URI")
+    try:
+        if header.endswith(";base64"):
+            return base64.b64decode(payload, validate=True)
+        return payload.encode()
+    except binascii.Error as exc:
+        raise invalid_argument(f"media[{index}].data_uri has invalid base64: {exc}") from exc
+
+
+def _image_size(index: int, data: bytes) -> tuple[int, int]:
+    """Reads only the header: Pillow opens lazily, so this costs microseconds, not a decode."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise invalid_argument(f"media[{index}] is not a decodable image: {exc}") from exc
+    if width < 1 or height < 1:
+        raise invalid_argument(f"media[{index}] has an empty image")
+    return width, height

@@ -1,0 +1,209 @@
+"""Run the mock engine inside a test process, on its own thread and event loop.
+
+Sync tests, async tests on any loop, and benches all use the same handle: it exposes the
+target address, per-rank counters read straight from the engine, fault switches, and a way to
+run a coroutine on the engine's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mocker.config import MockEngineConfig
+from mocker.engine import RankEngine
+from mocker.faults import Faults
+from mocker.server import MockServer
+
+T = TypeVar("T")
+_START_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """A snapshot of one rank's counters."""
+
+    rank: int
+    requests_received: int
+    requests_served: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    aborts: int
+    preemptions: int
+    failed: int
+    stranded_transfers: int
+    active: int
+    waiting: int
+    running: int
+    leaked: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_batches_published: int
+    kv_batches_dropped: int
+    kv_next_sequence: int
+
+
+class MockFaults:
+    """Thread-safe switches for :class:`~mocker.faults.Faults`."""
+
+    def __init__(self, handle: MockEngineHandle) -> None:
+        self._handle = handle
+
+    @property
+    def _faults(self) -> Faults:
+        faults = self._handle.server.faults
+        assert faults is not None
+        return faults
+
+    def kill_engine(self) -> None:
+        self._handle.run(self._faults.kill_engine())
+
+    def kill_after_tokens(self, tokens: int) -> None:
+        self._handle.call(lambda: self._faults.kill_after_tokens(tokens))
+
+    def revive_engine(self) -> None:
+        self._handle.run(self._faults.revive_engine())
+
+    def set_serving(self, serving: bool) -> None:
+        self._handle.run(self._faults.set_serving(serving))
+
+    def slow_start(self, seconds: float) -> None:
+        self._handle.run(self._faults.slow_start(seconds))
+
+    def flap_health(self, period_s: float, count: int) -> None:
+        self._handle.run(self._faults.flap_health(period_s, count))
+
+    def reject_requests(self, count: int = -1, message: str = "engine overloaded") -> None:
+        self._handle.call(lambda: self._faults.reject_requests(count, message))
+
+    def restart_kv_publisher(self, rank: int | None = None) -> None:
+        self._handle.run(self._faults.restart_kv_publisher(rank))
+
+    def drop_kv_batches(self, count: int, rank: int | None = None) -> None:
+        self._handle.call(lambda: self._faults.drop_kv_batches(count, rank))
+
+
+class MockEngineHandle:
+    def __init__(self, server: MockServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.faults = MockFaults(self)
+
+    @property
+    def config(self) -> MockEngineConfig:
+        return self.server.config
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.config.ranks
+
+    def engine(self, rank: int) -> RankEngine:
+        group = self.server.group
+        assert group is not None
+        return group.engines[rank]
+
+    def stats(self, rank: int) -> RankStats:
+        stats: RankStats = self.call(lambda: _snapshot(self.engine(rank)))
+        return stats
+
+    def all_stats(self) -> dict[int, RankStats]:
+        return {rank: self.stats(rank) for rank in self.ranks}
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run ``coro`` on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Any, timeout: float = 30.0) -> Any:
+        """Call ``fn()`` on the engine's loop (engine state is only touched there)."""
+        future: Future[Any] = Future()
+
+        def invoke() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(invoke)
+        return future.result(timeout)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until no rank holds a request (streams ended and cleaned up)."""
+
+        deadline = time.monotonic() + timeout
+        while self.call(lambda: sum(self.engine(rank).active for rank in self.ranks)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("mock engine still has requests in flight")
+            time.sleep(0.005)
+
+
+def _snapshot(engine: RankEngine) -> RankStats:
+    c = engine.counters
+    publisher = engine.publisher
+    tracked = set(engine.requests.values())
+    scheduled = set(engine.waiting) | set(engine.running)
+    return RankStats(
+        rank=engine.rank,
+        requests_received=c.requests_received,
+        requests_served=c.requests_served,
+        prompt_tokens=c.prompt_tokens,
+        cached_tokens=c.cached_tokens,
+        generated_tokens=c.generated_tokens,
+        aborts=c.aborts,
+        preemptions=c.preemptions,
+        failed=c.failed,
+        stranded_transfers=c.stranded_transfers,
+        active=engine.active,
+        waiting=len(engine.waiting),
+        running=len(engine.running),
+        leaked=len(tracked ^ scheduled),
+        kv_blocks_free=engine.cache.num_free,
+        kv_blocks_cached=engine.cache.num_cached,
+        kv_batches_published=publisher.published if publisher else 0,
+        kv_batches_dropped=publisher.dropped if publisher else 0,
+        kv_next_sequence=publisher.next_sequence if publisher else 0,
+    )
+
+
+@contextmanager
+def running_mock_engine(config: MockEngineConfig) -> Iterator[MockEngineHandle]:
+    """Start the mock on a private thread and loop; stop it (and the thread) on exit."""
+    loop = asyncio.new_event_loop()
+    started: Future[MockServer] = Future()
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        server = MockServer(config)
+        try:
+            await server.start()
+        except BaseException as exc:
+            await server.stop()
+            started.set_exception(exc)
+            return
+        started.set_result(server)
+        await stop.wait()
+        await server.stop()
+
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(main(),), name="mock-vllm", daemon=True
+    )
+    thread.start()
+    try:
+        server = started.result(_START_TIMEOUT_S)
+        yield MockEngineHandle(server, loop)
+    finally:
+        if thread.is_alive():
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(_START_TIMEOUT_S)
+        if not thread.is_alive():
+            loop.close()
