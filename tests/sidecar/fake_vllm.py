@@ -179,16 +179,16 @@ class _Inference(inference_pb2_grpc.InferenceServicer):
         metadata = dict(context.invocation_metadata())
         fake.received.append(Received(request, metadata.get("x-data-parallel-rank")))
         fake.active.add(request.request_id)
-        finished = False
         try:
             stream = fake.stream or fake.default_stream
             async for response in stream(request, context):
                 yield response
-            finished = True
+        except asyncio.CancelledError:
+            # The client dropped the stream: what vLLM turns into an abort.
+            fake.dropped.append(request.request_id)
+            raise
         finally:
             fake.active.discard(request.request_id)
-            if not finished:
-                fake.dropped.append(request.request_id)
 
 
 class FakeServer:

@@ -1,0 +1,116 @@
+"""The health watch after startup: readiness follows vLLM, restarts are re-discovered and a
+changed model or layout is refused instead of served."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sidecar.engine import Sidecar
+from sidecar.errors import EngineUnavailable
+from tests.sidecar.conftest import StartSidecar
+from tests.sidecar.fake_vllm import (
+    NOT_SERVING,
+    SERVING,
+    FakeServer,
+    collect,
+    eventually,
+    model_info,
+    request,
+    server_info,
+)
+from tests.sidecar.routers import FixedRouter
+
+
+async def test_readiness_follows_engine_health(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar()
+    fake.fake.health["vllm.Inference"] = NOT_SERVING
+    await eventually(lambda: not sidecar.ready)
+    with pytest.raises(EngineUnavailable, match=r"vllm\.Inference is NOT_SERVING") as caught:
+        await collect(sidecar.generate(request()))
+    assert caught.value.retry_after >= 1.0
+    with pytest.raises(EngineUnavailable):
+        _ = sidecar.info
+    fake.fake.health["vllm.Inference"] = SERVING
+    await eventually(lambda: sidecar.ready)
+    assert len(await collect(sidecar.generate(request()))) == 3
+
+
+async def test_engine_process_gone_and_back(fake: FakeServer, start_sidecar: StartSidecar) -> None:
+    router = FixedRouter()
+    sidecar = await start_sidecar(router)
+    port = fake.port
+    await fake.stop()
+    await eventually(lambda: not sidecar.ready)
+    with pytest.raises(EngineUnavailable):
+        await collect(sidecar.generate(request()))
+    fake.fake.server = server_info(instance_id="fake-2")
+    await fake.start(port)
+    await eventually(lambda: sidecar.ready)
+    assert sidecar.info.instance_id == "fake-2"
+    # A new instance has an empty cache: the router rebuilt its per-rank state.
+    assert [info.instance_id for info in router.configured] == ["fake-1", "fake-2"]
+    assert len(await collect(sidecar.generate(request()))) == 3
+
+
+async def test_changed_model_after_restart_is_refused_loudly(
+    fake: FakeServer, start_sidecar: StartSidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    sidecar = await start_sidecar()
+    fake.fake.health["vllm.Control"] = NOT_SERVING
+    await eventually(lambda: not sidecar.ready)
+    fake.fake.model = model_info(model_id="org/other")
+    with caplog.at_level(logging.ERROR, logger="sidecar"):
+        fake.fake.health["vllm.Control"] = SERVING
+        await eventually(lambda: "model_id: 'org/fake' -> 'org/other'" in caplog.text)
+    assert not sidecar.ready
+    with pytest.raises(EngineUnavailable, match="changed since startup"):
+        await collect(sidecar.generate(request()))
+    # Logged once per distinct problem, not once per poll.
+    assert caplog.text.count("changed since startup") == 1
+    fake.fake.model = model_info()
+    await eventually(lambda: sidecar.ready)
+
+
+async def test_topology_change_between_discovery_passes_is_rejected(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar()
+    fake.fake.server = server_info(dp_size=4, instance_id="fake-2")
+    fake.fake.health["vllm.Inference"] = NOT_SERVING
+    await eventually(lambda: not sidecar.ready)
+    fake.fake.health["vllm.Inference"] = SERVING
+    await eventually(lambda: "data_parallel_size: 2 -> 4" in _problem(sidecar))
+    assert not sidecar.ready
+
+
+async def test_restart_missed_by_health_is_caught_by_periodic_verification(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    router = FixedRouter()
+    sidecar = await start_sidecar(router)
+    # Same model, new instance, and health never went down between two polls.
+    fake.fake.server = server_info(instance_id="fake-3")
+    await eventually(lambda: sidecar.info.instance_id == "fake-3", within=5)
+    assert router.configured[-1].instance_id == "fake-3"
+    assert sidecar.ready
+
+
+async def test_block_size_change_while_serving_drops_readiness(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar()
+    fake.fake.server = server_info(kv_block_size=32)
+    await eventually(lambda: not sidecar.ready, within=5)
+    assert "block_size: 16 -> 32" in _problem(sidecar)
+
+
+def _problem(sidecar: Sidecar) -> str:
+    try:
+        _ = sidecar.info
+    except EngineUnavailable as error:
+        return error.message
+    return ""
