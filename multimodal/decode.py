@@ -92,11 +92,8 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         if sniffed is not None and sniffed not in limits.allowed_formats:
             raise ImageRefused(f"format {sniffed} is not allowed (allowed: {allowed})") from None
         raise ImageRefused(f"corrupt or unrecognised image data (allowed: {allowed})") from None
-    except Image.DecompressionBombError:
-        raise ImageRefused(
-            "decompression bomb refused: the header claims more pixels than Pillow will "
-            f"allocate; the limit is {limits.max_pixels}"
-        ) from None
+    except Image.DecompressionBombError as exc:
+        raise ImageRefused(f"decompression bomb refused: {exc}") from None
     except Exception as exc:  # Pillow's parsers raise many types on hostile headers.
         raise ImageRefused(f"corrupt {sniff_format(data) or 'image'} header: {exc}") from None
     with image:

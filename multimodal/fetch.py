@@ -34,9 +34,10 @@ class _GuardedTransport(httpx.AsyncHTTPTransport):
     """
 
     def __init__(self, policy: AddressPolicy, limits: httpx.Limits) -> None:
-        super().__init__(limits=limits, trust_env=False, retries=0)
+        ssl_context = httpx.create_ssl_context(trust_env=False)
+        super().__init__(verify=ssl_context, limits=limits, trust_env=False, retries=0)
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(trust_env=False),
+            ssl_context=ssl_context,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,

@@ -67,21 +67,48 @@ class MediaPreparer:
         for index, ref in enumerate(images):
             self._check_ref(index, ref)
             first_index.setdefault(ref.url, index)
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = {
-                    url: group.create_task(self._load(index, url))
-                    for url, index in first_index.items()
-                }
-        except BaseExceptionGroup as failures:
-            refused = [exc for exc in failures.exceptions if isinstance(exc, ImageError)]
-            if len(refused) == len(failures.exceptions):
-                raise min(refused, key=lambda exc: exc.index) from None
-            raise
-        loaded = {url: task.result() for url, task in tasks.items()}
+        loaded = await self._load_all(first_index)
         return tuple(
             self._media_input(index, ref, loaded[ref.url]) for index, ref in enumerate(images)
         )
+
+    async def _load_all(self, first_index: dict[str, int]) -> dict[str, DecodedImage | str]:
+        """Load every distinct image concurrently; raise the lowest-index refusal.
+
+        After a refusal, work on later images is cancelled at once, while earlier ones run on
+        because one of them may fail too: the error a client sees does not depend on timing.
+        """
+        tasks = {
+            asyncio.ensure_future(self._load(index, url)): index
+            for url, index in first_index.items()
+        }
+        try:
+            pending = set(tasks)
+            first: ImageError | None = None
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    failure = task.exception()
+                    if failure is None:
+                        continue
+                    if not isinstance(failure, ImageError):
+                        raise failure
+                    if first is None or failure.index < first.index:
+                        first = failure
+                if first is not None:
+                    limit = first.index
+                    for task in pending:
+                        if tasks[task] > limit:
+                            task.cancel()
+                    pending = {task for task in pending if tasks[task] < limit}
+            if first is not None:
+                raise first
+            by_index = {index: task.result() for task, index in tasks.items()}
+            return {url: by_index[index] for url, index in first_index.items()}
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def observe(
         self, media: Sequence[MediaInput], prompt_len: int, expanded_prompt_tokens: int

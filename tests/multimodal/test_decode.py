@@ -43,8 +43,7 @@ def test_decompression_bomb_is_refused_from_the_header() -> None:
     bomb = png_claiming(100_000, 100_000)
     assert len(bomb) < 100
     reason = refusal(bomb)
-    assert reason.startswith("decompression bomb refused")
-    assert "the limit is 4000000" in reason
+    assert reason.startswith("decompression bomb refused: Image size (10000000000 pixels)")
     moderate = refusal(png_claiming(5000, 5000))
     assert moderate == (
         "5000x5000 is 25000000 pixels, over the limit of 4000000 (decompression bomb guard)"
