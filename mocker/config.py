@@ -59,8 +59,9 @@ class MockEngineConfig:
     decode_step_seconds: float = 8e-3
     decode_seconds_per_sequence: float = 60e-6
     seed: int = 0
-    # Chance per generated token (after ``min_tokens``) that the model ends with EOS.
-    eos_probability: float = 1 / 64
+    # Chance per generated token (after ``min_tokens``) that the model ends by itself with EOS;
+    # 0 behaves like a small random model, which practically never samples EOS.
+    eos_probability: float = 0.0
     # Input capabilities.
     supports_text_input: bool = True
     supports_multimodal: bool = True

@@ -22,6 +22,7 @@ from typing import Any
 from mocker.cache import Block, ExtraKeys, PrefixCache, block_hash
 from mocker.config import MockEngineConfig
 from mocker.events import KvEventPublisher
+from mocker.model import TokenModel
 from mocker.output import Emitted, Finish, Sequence
 from mocker.request import MockRequest
 from mocker.status import ENGINE_DEAD, RpcStatus, internal
@@ -129,11 +130,13 @@ class RankEngine:
         rank: int,
         config: MockEngineConfig,
         vocab: Vocabulary,
+        model: TokenModel,
         publisher: KvEventPublisher | None,
     ) -> None:
         self.rank = rank
         self.config = config
         self.vocab = vocab
+        self.model = model
         self.publisher = publisher
         self.cache = PrefixCache(config.blocks_per_rank, config.block_size)
         self.counters = RankCounters()
@@ -197,7 +200,7 @@ class RankEngine:
             raise internal(f"request `{req.request_id}` is already in flight")
         request = EngineRequest(
             req=req,
-            sequence=Sequence(req.spec, self.vocab),
+            sequence=Sequence(req.spec, self.vocab, self.model),
             outbox=Outbox(),
             tokens=list(req.prompt),
             arrival=time.monotonic(),

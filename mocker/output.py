@@ -1,9 +1,9 @@
-"""Deterministic token generation and everything vLLM decides per output token.
+"""One request's output: tokens from the model, and everything vLLM decides per token.
 
-A request's tokens depend only on its prompt, LoRA and sampling seed (or on fresh entropy when
-it samples without a seed, as a real sampler would). Stop ids, stop strings, EOS, min/max
-tokens, the stop-string hold-back while streaming and the finish reasons follow vLLM's
-semantics so clients see the same shapes they would see from a GPU.
+Tokens depend only on the prompt, LoRA and sampling seed (or on fresh entropy when sampling
+without a seed, as a real sampler would). Stop ids, stop strings, EOS, min/max tokens, the
+min-tokens mask, the stop-string hold-back while streaming and the finish reasons follow
+vLLM's semantics, so clients see the shapes they would see from a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 from enum import IntEnum
 
+from mocker.model import Processing, TokenModel
 from mocker.vocab import TextStream, Vocabulary
 
 
@@ -36,7 +37,9 @@ class LogprobSpec:
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
-    seed_material: bytes
+    context_key: int
+    sample_seed: bytes
+    processing: Processing
     max_tokens: int
     min_tokens: int
     stop_token_ids: frozenset[int]
@@ -47,6 +50,8 @@ class SamplingSpec:
     logprobs: LogprobSpec | None
     want_text: bool
     eos_probability: float
+    # Structured output: the tokens of the conforming answer, then EOS.
+    forced: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -70,36 +75,32 @@ class Emitted:
     eos: bool
 
 
-def seed_material(prompt: list[int], lora: str, seed: int | None, temperature: float) -> bytes:
-    """Greedy and seeded requests repeat exactly; unseeded sampling draws fresh entropy."""
-    digest = hashlib.blake2b(digest_size=16)
+def context_key(prompt: list[int], lora: str) -> int:
+    """The model's context: the same prompt under the same adapter continues the same way."""
+    digest = hashlib.blake2b(digest_size=8)
     digest.update(len(prompt).to_bytes(4, "little"))
-    digest.update(b"".join(t.to_bytes(4, "little") for t in prompt[-256:]))
+    digest.update(b"".join(t.to_bytes(4, "little") for t in prompt[-512:]))
     digest.update(lora.encode())
-    if temperature > 0.0:
-        digest.update(os.urandom(16) if seed is None else seed.to_bytes(8, "little", signed=True))
-    return digest.digest()
+    return int.from_bytes(digest.digest(), "little")
+
+
+def sample_seed(key: int, seed: int | None) -> bytes:
+    """Seeded sampling repeats exactly; unseeded sampling draws fresh entropy."""
+    if seed is None:
+        return os.urandom(16)
+    return key.to_bytes(8, "little") + seed.to_bytes(8, "little", signed=True)
 
 
 class Sequence:
-    """The output side of one request: sampler state, text so far and stop detection."""
+    """Sampler state, text so far and stop detection for one request."""
 
-    __slots__ = (
-        "_held",
-        "_rng",
-        "_stream",
-        "_text",
-        "done",
-        "num_tokens",
-        "spec",
-        "token_ids",
-        "vocab",
-    )
+    __slots__ = ("_held", "_rng", "_stream", "_text", "model", "num_tokens", "spec", "vocab")
 
-    def __init__(self, spec: SamplingSpec, vocab: Vocabulary) -> None:
+    def __init__(self, spec: SamplingSpec, vocab: Vocabulary, model: TokenModel) -> None:
         self.spec = spec
         self.vocab = vocab
-        self._rng = random.Random(spec.seed_material)
+        self.model = model
+        self._rng: random.Random | None = None
         self._stream: TextStream | None = (
             vocab.text_stream(spec.skip_special_tokens)
             if spec.want_text or spec.stop_strings
@@ -107,36 +108,24 @@ class Sequence:
         )
         self._text = ""
         self._held = 0
-        self.token_ids: list[int] = []
         self.num_tokens = 0
-        self.done = False
 
     def next_token(self) -> Emitted:
-        """Sample one token and apply every stop rule; the caller enforces length limits."""
+        """Produce one token and apply every stop rule; the caller enforces the context limit."""
         spec = self.spec
-        pool = self.vocab.output_ids
-        u_eos = self._rng.random()
-        index = int(self._rng.random() * len(pool))
-        may_stop = self.num_tokens >= spec.min_tokens
-        if not spec.ignore_eos and may_stop and u_eos < spec.eos_probability:
-            token = self.vocab.eos_token_id
-        else:
-            token = pool[index]
-            if not may_stop and token in spec.stop_token_ids:
-                token = self._avoid_stop(index)
+        step = self.num_tokens
+        ctx = TokenModel.context(spec.context_key, step)
+        may_stop = step >= spec.min_tokens
+        token = self._choose(ctx, step, may_stop)
         self.num_tokens += 1
-        self.token_ids.append(token)
-        info = self._logprobs(token, index) if spec.logprobs is not None else None
+        info = self._logprobs(ctx, token) if spec.logprobs is not None else None
 
         is_eos = token == self.vocab.eos_token_id and not spec.ignore_eos
-        if (is_eos or token in spec.stop_token_ids) and may_stop:
-            self.done = True
-            text = ""
+        if may_stop and (is_eos or token in spec.stop_token_ids):
             if spec.include_stop_strings and self._stream is not None:
                 self._text += self._stream.step(token)
-            text = self._flush(final=True)
-            stop: int | str = token
-            return Emitted(token, text, info, Finish.STOP, None if is_eos else stop, is_eos)
+            stop = None if is_eos else token
+            return Emitted(token, self._flush(final=True), info, Finish.STOP, stop, is_eos)
 
         if self._stream is None:
             return self._finish_if_full(token, "", info)
@@ -148,28 +137,36 @@ class Sequence:
                 position, matched = hit
                 end = position + len(matched) if spec.include_stop_strings else position
                 self._text = self._text[:end]
-                self.done = True
                 return Emitted(token, self._flush(final=True), info, Finish.STOP, matched, False)
         return self._finish_if_full(token, self._flush(final=False), info)
 
     def finish_length(self) -> str:
         """End for length; returns the text still held back for stop-string matching."""
-        self.done = True
         return self._flush(final=True)
+
+    def _choose(self, ctx: int, step: int, may_stop: bool) -> int:
+        spec = self.spec
+        eos = self.vocab.eos_token_id
+        if spec.forced is not None:
+            return spec.forced[step] if step < len(spec.forced) else eos
+        if (
+            may_stop
+            and not spec.ignore_eos
+            and spec.eos_probability > 0.0
+            and ((ctx >> 11) & 0xFFFFF) / 0x100000 < spec.eos_probability
+        ):
+            return eos
+        masked: frozenset[int] = frozenset()
+        if not may_stop:
+            masked = spec.stop_token_ids if spec.ignore_eos else spec.stop_token_ids | {eos}
+        if self._rng is None:
+            self._rng = random.Random(spec.sample_seed + step.to_bytes(4, "little"))
+        return self.model.sample(ctx, spec.processing, masked, self._rng)
 
     def _finish_if_full(self, token: int, text: str, info: TokenInfo | None) -> Emitted:
         if self.num_tokens >= self.spec.max_tokens:
-            self.done = True
             return Emitted(token, text + self._flush(final=True), info, Finish.LENGTH, None, False)
         return Emitted(token, text, info, Finish.NOT_FINISHED, None, False)
-
-    def _avoid_stop(self, index: int) -> int:
-        pool = self.vocab.output_ids
-        for offset in range(1, len(pool)):
-            candidate = pool[(index + offset) % len(pool)]
-            if candidate not in self.spec.stop_token_ids:
-                return candidate
-        return pool[index]
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
@@ -191,24 +188,21 @@ class Sequence:
         self._held = end
         return piece
 
-    def _logprobs(self, token: int, index: int) -> TokenInfo:
+    def _logprobs(self, ctx: int, token: int) -> TokenInfo:
         spec = self.spec.logprobs
         assert spec is not None
-        pool = self.vocab.output_ids
-        sampled = -0.05 - ((index * 2654435761) % 1000) / 800.0
+        model = self.model
+        rank = model.rank_of(ctx, token)
+        logprob = model.raw_logprob(rank)
         if spec.token_ids:
             candidates = tuple(
-                (t, sampled, 1) if t == token else (t, sampled - 1.0 - (t % 97) / 50.0, 2 + n)
-                for n, t in enumerate(spec.token_ids)
+                (t, model.raw_logprob(r), r)
+                for t in spec.token_ids
+                if t < model.vocab_size
+                for r in (model.rank_of(ctx, t),)
             )
-            return TokenInfo(token, sampled, 1, candidates)
-        top: list[tuple[int, float, int]] = []
-        if spec.top_n:
-            top.append((token, sampled, 1))
-            step = 0
-            while len(top) < spec.top_n and step < len(pool):
-                step += 1
-                candidate = pool[(index + step * 7) % len(pool)]
-                if candidate != token and all(candidate != t for t, _, _ in top):
-                    top.append((candidate, sampled - 0.25 * len(top), len(top) + 1))
-        return TokenInfo(token, sampled, 1, tuple(top))
+        else:
+            candidates = tuple(
+                (model.token_at(ctx, k), model.raw_logprob(k), k) for k in range(1, spec.top_n + 1)
+            )
+        return TokenInfo(token, logprob, rank, candidates)

@@ -6,14 +6,16 @@ so the scheduler never touches wire types.
 
 from __future__ import annotations
 
-import json
+import random
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mocker import structured
 from mocker.config import MockEngineConfig
 from mocker.media import MediaResolver, MediaSpan
-from mocker.output import LogprobSpec, SamplingSpec, seed_material
+from mocker.model import Processing
+from mocker.output import LogprobSpec, SamplingSpec, context_key, sample_seed
 from mocker.status import failed_precondition, invalid_argument, not_found
 from mocker.vocab import Vocabulary
 from sidecar.proto.vllm import inference_pb2
@@ -81,7 +83,9 @@ class RequestValidator:
             raise invalid_argument("prompt is required")
         if req.sampling.num_sequences > 1:
             raise invalid_argument("num_sequences > 1 is not supported")
-        self._check_structured(req.decoding)
+        kind = req.decoding.WhichOneof("structured_output")
+        if kind is not None:
+            structured.validate(kind, getattr(req.decoding, kind))
         shape = _shape(req)
         if shape.prompt_logprobs and req.response.prompt_candidates.WhichOneof("select") == (
             "token_ids"
@@ -187,8 +191,33 @@ class RequestValidator:
                 logprobs = LogprobSpec()
         temperature = req.temperature if req.HasField("temperature") else 0.0
         seed = req.sampling.seed if req.sampling.HasField("seed") else None
+        decoding = req.decoding
+        vocab_size = self._vocab.size
+        bad_bias = [t for t in decoding.logit_bias if t >= vocab_size]
+        if bad_bias:
+            raise invalid_argument(
+                f"token_id(s) {bad_bias} in logit_bias are out of vocabulary. "
+                f"Vocabulary size: {vocab_size}"
+            )
+        allowed = frozenset(decoding.allowed_token_ids) if decoding.allowed_token_ids else None
+        if allowed is not None and any(t >= vocab_size for t in allowed):
+            raise invalid_argument(
+                f"token_id(s) {sorted(t for t in allowed if t >= vocab_size)} in "
+                f"allowed_token_ids are out of vocabulary. Vocabulary size: {vocab_size}"
+            )
+        key = context_key(prompt, lora)
+        seed_bytes = sample_seed(key, seed)
         return SamplingSpec(
-            seed_material=seed_material(prompt, lora, seed, temperature),
+            context_key=key,
+            sample_seed=seed_bytes,
+            processing=Processing(
+                temperature=max(temperature, 0.0),
+                top_k=req.sampling.top_k,
+                top_p=req.sampling.top_p,
+                min_p=req.sampling.min_p,
+                logit_bias=dict(decoding.logit_bias),
+                allowed=allowed,
+            ),
             max_tokens=max(max_tokens, 0),
             min_tokens=min_tokens,
             stop_token_ids=frozenset(stopping.stop_token_ids),
@@ -203,22 +232,17 @@ class RequestValidator:
             logprobs=logprobs,
             want_text=shape.output_text,
             eos_probability=self._config.eos_probability,
+            forced=self._forced(req, seed_bytes),
         )
 
-    @staticmethod
-    def _check_structured(decoding: inference_pb2.DecodingParameters) -> None:
-        kind = decoding.WhichOneof("structured_output")
-        if kind == "json":
-            try:
-                json.loads(decoding.json)
-            except ValueError as exc:
-                raise invalid_argument(f"invalid json schema: {exc}") from exc
-        elif kind == "grammar" and not decoding.grammar.strip():
-            raise invalid_argument("grammar cannot be an empty string")
-        elif kind == "regex" and not decoding.regex:
-            raise invalid_argument("regex cannot be an empty string")
-        elif kind == "choice" and not decoding.choice.choices:
-            raise invalid_argument("choice must be a non-empty list")
+    def _forced(self, req: inference_pb2.GenerateRequest, seed: bytes) -> tuple[int, ...] | None:
+        kind = req.decoding.WhichOneof("structured_output")
+        if kind is None or (kind == "json_object" and not req.decoding.json_object):
+            return None
+        if self._vocab.tokenizer is None:
+            raise invalid_argument("structured output needs a tokenizer-backed model")
+        text = structured.target_text(kind, getattr(req.decoding, kind), random.Random(seed))
+        return tuple(self._vocab.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 _SAFE_INT = float(2**53 - 1)

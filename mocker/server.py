@@ -24,6 +24,7 @@ from mocker.events import KvEventPublisher
 from mocker.faults import Faults
 from mocker.group import DpGroup
 from mocker.media import ImagePolicy, MediaResolver
+from mocker.model import TokenModel
 from mocker.output import Emitted, Finish
 from mocker.request import MockRequest, RequestValidator, parse_rank
 from mocker.status import RpcStatus
@@ -58,6 +59,7 @@ class MockServer:
                 max_tokens=config.image_max_tokens,
                 max_bytes=config.media_max_bytes,
             )
+        self.model = TokenModel(self.vocab.output_ids, self.vocab.size)
         self.media = MediaResolver(policy)
         self.validator = RequestValidator(config, self.vocab, self.media)
         self._zmq: zmq.asyncio.Context | None = None
@@ -91,7 +93,7 @@ class MockServer:
                     event_format=config.kv_event_format,
                 )
                 publisher.open()
-            engine = RankEngine(rank, config, self.vocab, publisher)
+            engine = RankEngine(rank, config, self.vocab, self.model, publisher)
             engine.start()
             engines.append(engine)
         self.group = DpGroup(engines)
@@ -292,7 +294,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 data_parallel_rank=c.dp_start_rank,
                 decode_context_parallel_size=1,
                 world_size=1,
-                data_parallel_size_local=c.dp_local_size,
+                data_parallel_size_local=c.local_size,
             ),
             max_model_len=c.max_model_len,
             kv_block_size=c.block_size,
@@ -301,6 +303,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             max_batched_tokens=c.max_batched_tokens,
             max_loras=c.max_loras or (len(c.loras) if c.loras else 0),
             rl_capabilities=control_pb2.RlCapabilities(),
+            effective_attention_block_size=c.block_size,
         )
 
     async def GetModelInfo(
@@ -353,6 +356,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
     async def ListLoras(
         self, request: control_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.ListLorasResponse:
+        if not self._server.config.loras:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this server"
+            )
         response = control_pb2.ListLorasResponse()
         for index, name in enumerate(sorted(self._server.config.loras), start=1):
             response.adapters.add(lora_id=index, lora_name=name, source_path=f"/mock/{name}")

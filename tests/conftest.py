@@ -49,6 +49,7 @@ def mock_vllm() -> Iterator[EngineUnderTest]:
         kv_events_port=free_port_range(CONFORMANCE_DP),
         kv_replay_port=free_port_range(CONFORMANCE_DP),
         speed=0.0,
+        max_model_len=512,
     )
     with running_mock_engine(config) as handle:
         yield EngineUnderTest(
