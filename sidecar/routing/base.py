@@ -21,6 +21,16 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
     prompt_tokens: int = 0
     policy: str = ""
+    # Why this rank: "best", "pinned", "spill_hot", "spill_capacity", "turn", "least_loaded".
+    reason: str = ""
+
+    def header(self) -> str:
+        """The decision as one response-header value, e.g. ``rank=2;cached=512/640;policy=kv``."""
+        rank = "none" if self.rank is None else str(self.rank)
+        return (
+            f"rank={rank};cached={self.cached_tokens}/{self.prompt_tokens};"
+            f"policy={self.policy};reason={self.reason}"
+        )
 
 
 class RouteTicket(Protocol):

@@ -1,0 +1,389 @@
+"""KV-event intake: one ZMQ SUB per rank feeding the :class:`EventIndex` (SPEC.md section 6).
+
+All sockets of one engine are served by one dedicated thread with a ``zmq.Poller``. Waiting in
+``poll``/``recv`` releases the GIL, and decoding plus hashing a burst of events runs there
+instead of as callbacks on the event loop, where a large batch would sit in front of request
+handling; the thread is the index's only writer, so the route path reads it without locks.
+The thread drains at most ``burst`` messages per socket per turn, so one busy rank cannot
+starve the others or a pending replay.
+
+Sequence numbers are tracked per rank. A gap asks the rank's replay ROUTER for the missing
+batches (live batches are held back meanwhile, bounded); when replay cannot cover the gap, or
+there is no replay endpoint, the rank's index is purged and rebuilt from live events. A
+sequence that goes backwards is a restarted publisher: purge, then backfill from its start.
+ZMQ reconnects SUB and DEALER sockets on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from sidecar.routing.hashing import chain_hashes, chain_seed, event_block_keys
+from sidecar.routing.index import EventIndex, medium_tier
+from sidecar.routing.metrics import RoutingMetrics
+from sidecar.types import KvEventSource
+
+log = logging.getLogger(__name__)
+
+END_OF_REPLAY = b"\xff" * 8
+
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    replay_timeout: float = 2.0
+    max_held_batches: int = 10_000
+    poll_interval: float = 0.05
+    burst: int = 256
+    receive_hwm: int = 100_000
+
+
+class MalformedBatch(Exception):
+    """A payload that is not an EventBatch in either known shape."""
+
+
+def batch_events(decoded: Any) -> tuple[float, list[Any]]:
+    """(publish time, events) of an EventBatch encoded as an array or as a map."""
+    if isinstance(decoded, list | tuple) and len(decoded) >= 2:
+        ts, events = decoded[0], decoded[1]
+    elif isinstance(decoded, dict):
+        ts, events = decoded.get("ts", 0.0), decoded.get("events")
+    else:
+        raise MalformedBatch(f"batch is a {type(decoded).__name__}")
+    if not isinstance(events, list | tuple):
+        raise MalformedBatch("batch has no event list")
+    return float(ts) if isinstance(ts, int | float) else 0.0, list(events)
+
+
+def event_fields(event: Any) -> tuple[str, dict[str, Any]]:
+    """(type, fields) of one event, whether a map with ``type`` or an array led by its tag."""
+    if isinstance(event, dict):
+        kind = event.get("type")
+        if not isinstance(kind, str):
+            raise MalformedBatch("event map without a string 'type'")
+        return kind, event
+    if isinstance(event, list | tuple) and event and isinstance(event[0], str):
+        kind = event[0]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
+        return kind, dict(zip(names, event[1:], strict=False))
+    raise MalformedBatch(f"event is a {type(event).__name__}")
+
+
+def _block_id(value: Any) -> Hashable:
+    return tuple(value) if isinstance(value, list) else value
+
+
+class _Feed:
+    """One rank's subscription and sequence state; touched only by the intake thread."""
+
+    def __init__(self, slot: int, source: KvEventSource) -> None:
+        self.slot = slot
+        self.source = source
+        self.label = str(source.rank)
+        self.sub: zmq.Socket[bytes] | None = None
+        self.expected: int | None = None
+        self.replay: zmq.Socket[bytes] | None = None
+        self.replay_deadline = 0.0
+        self.held: deque[tuple[int, bytes]] = deque()
+        self.batches = 0
+        self.last_lag = 0.0
+
+
+class KvEventIntake:
+    """Subscribes to every rank's publisher and keeps ``index`` in step with the engine."""
+
+    def __init__(
+        self,
+        sources: Sequence[KvEventSource],
+        slots: dict[int, int],
+        index: EventIndex,
+        block_size: int,
+        metrics: RoutingMetrics,
+        settings: IntakeSettings | None = None,
+    ) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.settings = settings or IntakeSettings()
+        self._metrics = metrics
+        self._feeds = [_Feed(slots[source.rank], source) for source in sources]
+        self._decoder = msgspec.msgpack.Decoder()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned: set[str] = set()
+        # A private context, used and terminated by the intake thread only.
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket[bytes], _Feed] = {}
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="rankgate-kv-events", daemon=True)
+        self._thread.start()
+
+    def wait_subscribed(self, timeout: float) -> bool:
+        """True once every SUB socket exists and is connecting (for tests and start-up)."""
+        return self._ready.wait(timeout)
+
+    def stop(self) -> None:
+        """Ask the thread to exit; it closes its sockets within one poll interval."""
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def lag(self, slot: int) -> float:
+        for feed in self._feeds:
+            if feed.slot == slot:
+                return feed.last_lag
+        return 0.0
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            for feed in self._feeds:
+                sub = self._context.socket(zmq.SUB)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
+                sub.setsockopt(zmq.RECONNECT_IVL, 100)
+                sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+                sub.setsockopt(zmq.SUBSCRIBE, feed.source.topic.encode("utf-8"))
+                sub.connect(feed.source.endpoint)
+                feed.sub = sub
+                self._watch(sub, feed)
+            self._ready.set()
+            timeout_ms = max(1, int(self.settings.poll_interval * 1000))
+            while not self._stop.is_set():
+                for socket, _ in self._poller.poll(timeout_ms):
+                    owner = self._by_socket.get(socket)
+                    if owner is None:
+                        continue
+                    if socket is owner.sub:
+                        self._drain_live(owner)
+                    else:
+                        self._drain_replay(owner)
+                now = time.monotonic()
+                for feed in self._feeds:
+                    if feed.replay is not None and now > feed.replay_deadline:
+                        self._metrics.replays.labels(feed.label, "timeout").inc()
+                        self._end_replay(feed)
+                        self._purge(feed, "replay")
+                        feed.expected = None
+                        self._release_held(feed)
+        except Exception:
+            log.exception("KV-event intake stopped on an unexpected error")
+        finally:
+            for socket in list(self._by_socket):
+                socket.close(linger=0)
+            self._by_socket.clear()
+            self._context.term()
+            self._ready.set()
+
+    def _watch(self, socket: zmq.Socket[bytes], feed: _Feed) -> None:
+        self._by_socket[socket] = feed
+        self._poller.register(socket, zmq.POLLIN)
+
+    def _drain_live(self, feed: _Feed) -> None:
+        assert feed.sub is not None
+        for _ in range(self.settings.burst):
+            try:
+                frames = feed.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2 or len(frames[-2]) != 8:
+                self._reject(feed, "frames")
+                continue
+            seq = int.from_bytes(frames[-2], "big")
+            if feed.replay is not None:
+                if len(feed.held) < self.settings.max_held_batches:
+                    feed.held.append((seq, frames[-1]))
+                    continue
+                # The replay is too slow for this stream: give it up and go on live.
+                self._metrics.replays.labels(feed.label, "overflow").inc()
+                self._end_replay(feed)
+                self._purge(feed, "replay")
+                feed.expected = None
+                self._release_held(feed)
+            self._on_live(feed, seq, frames[-1], allow_replay=True)
+
+    def _on_live(self, feed: _Feed, seq: int, payload: bytes, allow_replay: bool) -> None:
+        expected = feed.expected
+        if expected is None or seq == expected:
+            if expected is None and seq > 0 and allow_replay and feed.source.replay_endpoint:
+                # Joined mid-stream: backfill what the publisher still buffers.
+                feed.held.append((seq, payload))
+                self._begin_replay(feed, 0)
+                return
+            self._apply(feed, seq, payload, "live")
+            return
+        if seq > expected:
+            self._metrics.gaps.labels(feed.label).inc()
+            if allow_replay and feed.source.replay_endpoint:
+                feed.held.append((seq, payload))
+                self._begin_replay(feed, expected)
+                return
+            self._purge(feed, "gap")
+            self._apply(feed, seq, payload, "live")
+            return
+        log.info("KV-event publisher of rank %s restarted (seq %d < %d)", feed.label, seq, expected)
+        self._purge(feed, "restart")
+        feed.expected = None
+        self._on_live(feed, seq, payload, allow_replay)
+
+    def _begin_replay(self, feed: _Feed, start: int) -> None:
+        endpoint = feed.source.replay_endpoint
+        assert endpoint is not None
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        feed.replay = dealer
+        feed.replay_deadline = time.monotonic() + self.settings.replay_timeout
+        self._watch(dealer, feed)
+
+    def _drain_replay(self, feed: _Feed) -> None:
+        assert feed.replay is not None
+        for _ in range(self.settings.burst):
+            try:
+                frames = feed.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
+                self._metrics.replays.labels(feed.label, "complete").inc()
+                self._end_replay(feed)
+                self._release_held(feed)
+                return
+            if len(frames) < 3 or len(frames[-2]) != 8:
+                self._reject(feed, "replay_frames")
+                continue
+            seq = int.from_bytes(frames[-2], "big")
+            expected = feed.expected
+            if expected is not None and seq < expected:
+                continue
+            if expected is not None and seq > expected:
+                # The publisher no longer buffers what we missed.
+                self._metrics.replays.labels(feed.label, "incomplete").inc()
+                self._purge(feed, "replay")
+            self._apply(feed, seq, frames[-1], "replay")
+
+    def _end_replay(self, feed: _Feed) -> None:
+        if feed.replay is None:
+            return
+        self._poller.unregister(feed.replay)
+        self._by_socket.pop(feed.replay, None)
+        feed.replay.close(linger=0)
+        feed.replay = None
+
+    def _release_held(self, feed: _Feed) -> None:
+        """Apply the live batches held back during a replay; a gap left now means a purge."""
+        held, feed.held = feed.held, deque()
+        for seq, payload in held:
+            if feed.expected is not None and seq < feed.expected:
+                continue
+            self._on_live(feed, seq, payload, allow_replay=False)
+
+    def _purge(self, feed: _Feed, reason: str) -> None:
+        self.index.clear(feed.slot)
+        self._metrics.purges.labels(feed.label, reason).inc()
+        log.warning("purged the KV index of rank %s (%s)", feed.label, reason)
+
+    def _reject(self, feed: _Feed, reason: str) -> None:
+        self._metrics.rejected.labels(feed.label, reason).inc()
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("unusable KV-event data from rank %s: %s", feed.label, reason)
+
+    # --- applying a batch -----------------------------------------------------------------
+
+    def _apply(self, feed: _Feed, seq: int, payload: bytes, origin: str) -> None:
+        feed.expected = seq + 1
+        try:
+            ts, events = batch_events(self._decoder.decode(payload))
+        except (msgspec.DecodeError, MalformedBatch):
+            self._reject(feed, "batch")
+            return
+        if ts:
+            feed.last_lag = max(0.0, time.time() - ts)
+            self._metrics.event_lag.labels(feed.label).set(feed.last_lag)
+        for event in events:
+            try:
+                kind, fields = event_fields(event)
+                self._apply_event(feed, kind, fields)
+            except (MalformedBatch, TypeError, ValueError, KeyError):
+                self._reject(feed, "event")
+        feed.batches += 1
+        self._metrics.event_batches.labels(feed.label, origin).inc()
+
+    def _apply_event(self, feed: _Feed, kind: str, fields: dict[str, Any]) -> None:
+        group = fields.get("group_idx")
+        if group not in (None, 0):
+            # Hybrid models publish one stream per KV-cache group; the first one describes the
+            # full-attention prefix that decides reuse.
+            return
+        if kind == "BlockStored":
+            self._stored(feed, fields)
+        elif kind == "BlockRemoved":
+            tier = medium_tier(fields.get("medium"))
+            for block in fields.get("block_hashes") or ():
+                self.index.remove(feed.slot, tier, _block_id(block))
+        elif kind == "AllBlocksCleared":
+            self.index.clear(feed.slot)
+        else:
+            self._reject(feed, f"event type {kind}")
+            return
+        self._metrics.events.labels(feed.label, kind).inc()
+
+    def _stored(self, feed: _Feed, fields: dict[str, Any]) -> None:
+        blocks = fields.get("block_hashes") or ()
+        if not blocks:
+            return
+        block_size = fields.get("block_size") or self.block_size
+        if block_size != self.block_size:
+            self._reject(feed, "block_size")
+            return
+        lora_name = fields.get("lora_name")
+        if not isinstance(lora_name, str) or not lora_name:
+            lora_name = None
+        salt, images = event_block_keys(fields.get("extra_keys"), lora_name)
+        parent = fields.get("parent_block_hash")
+        if parent is None:
+            key = chain_seed(salt, lora_name)
+        else:
+            found = self.index.parent_key(feed.slot, _block_id(parent))
+            if found is None:
+                self._reject(feed, "unknown_parent")
+                return
+            key = found
+        tokens = fields.get("token_ids") or ()
+        keys = chain_hashes(tuple(tokens), block_size, key, images, limit=len(blocks))
+        tier = medium_tier(fields.get("medium"))
+        store = self.index.store
+        slot = feed.slot
+        for block, our_key in zip(blocks, keys, strict=False):
+            store(slot, tier, _block_id(block), our_key)

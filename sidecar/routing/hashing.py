@@ -1,0 +1,206 @@
+"""Chained block hashes shared by the event side and the request side of the router.
+
+Both sides hash in this process, from token ids, so routing never depends on vLLM's own hash
+algorithm or its ``PYTHONHASHSEED`` (SPEC.md section 7). A block's key covers its whole prefix
+(the parent key is folded in), the LoRA adapter and cache salt seed the chain, and every image
+that overlaps a block folds its identity into that block.
+
+The mixing is CPython's tuple hash over ints: it is seeded by nothing, so it is the same in
+every process of one interpreter build, and it is the cheapest 64-bit mix Python offers
+(``bench/routing_index.py`` measures it against blake2b). Strings never enter it directly, since
+``str`` hashes are randomised per process: :func:`text_key` turns them into ints with blake2b.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import lru_cache
+
+import msgspec
+
+from sidecar.types import MediaInput
+
+# vLLM mixes the cache salt into the first block and reports it verbatim in that block's
+# ``extra_keys``; the sidecar sends it with this tag so it can be told apart from LoRA names and
+# image identifiers there.
+SALT_TAG = "rankgate-salt:"
+
+EMPTY_SEED = 0
+
+
+@lru_cache(maxsize=8192)
+def text_key(text: str) -> int:
+    """A process-independent 63-bit integer for a salt, adapter name or image identity."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def chain_seed(salt: str | None, lora_name: str | None) -> int:
+    """The parent key of a prompt's first block: separates salts and adapters completely."""
+    if not salt and not lora_name:
+        return EMPTY_SEED
+    return hash((text_key(salt) if salt else 0, text_key(lora_name) if lora_name else 0))
+
+
+def chain_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    parent: int,
+    block_images: Sequence[tuple[int, ...]] | None = None,
+    limit: int | None = None,
+) -> list[int]:
+    """Keys of the full blocks of ``tokens``, each chained on the one before ``parent``.
+
+    ``block_images[i]`` holds the image keys overlapping block ``i`` (empty for none).
+    ``tokens`` should be a tuple: slicing a tuple copies pointers only.
+    """
+    if not isinstance(tokens, tuple):
+        tokens = tuple(tokens)
+    count = len(tokens) // block_size
+    if limit is not None:
+        count = min(count, limit)
+    out: list[int] = []
+    append = out.append
+    if block_images is None:
+        for start in range(0, count * block_size, block_size):
+            parent = hash((parent, tokens[start : start + block_size]))
+            append(parent)
+        return out
+    for index in range(count):
+        start = index * block_size
+        images = block_images[index] if index < len(block_images) else ()
+        if images:
+            parent = hash((parent, tokens[start : start + block_size], images))
+        else:
+            parent = hash((parent, tokens[start : start + block_size]))
+        append(parent)
+    return out
+
+
+class PromptKeys(msgspec.Struct, frozen=True, gc=False):
+    """A request's block keys and the token count they were computed over.
+
+    ``tokens`` is the expanded prompt length (images counted at their expanded size) when every
+    image's size is known; otherwise only the text before the first unknown image is hashed and
+    ``hashed_tokens`` says how far the keys reach.
+    """
+
+    hashes: list[int]
+    prompt_tokens: int
+    hashed_tokens: int
+
+
+def prompt_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    salt: str | None = None,
+    lora_name: str | None = None,
+    media: Sequence[MediaInput] = (),
+    media_positions: Sequence[int] | None = None,
+) -> PromptKeys:
+    """Hash a prepared prompt the way :func:`event_block_keys` hashes what an engine stored.
+
+    Each image occupies one placeholder token at ``media_positions[i]``; vLLM expands it to
+    ``media[i].num_tokens`` copies of that token id, and so does this function. Images whose
+    position or size is unknown stop the hash at their placeholder: everything before it can
+    still be matched.
+    """
+    seed = chain_seed(salt, lora_name)
+    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+    if not media:
+        return PromptKeys(
+            hashes=chain_hashes(tokens, block_size, seed),
+            prompt_tokens=len(tokens),
+            hashed_tokens=len(tokens) // block_size * block_size,
+        )
+    expanded, spans, complete = _expand_images(tokens, media, media_positions)
+    prompt_tokens = len(expanded) if complete else _expanded_length(tokens, media)
+    if not spans:
+        hashes = chain_hashes(expanded, block_size, seed)
+    else:
+        hashes = chain_hashes(expanded, block_size, seed, _images_per_block(spans, block_size))
+    return PromptKeys(
+        hashes=hashes,
+        prompt_tokens=prompt_tokens,
+        hashed_tokens=len(hashes) * block_size,
+    )
+
+
+def _expanded_length(tokens: tuple[int, ...], media: Sequence[MediaInput]) -> int:
+    return len(tokens) + sum(max((item.num_tokens or 1) - 1, 0) for item in media)
+
+
+def _expand_images(
+    tokens: tuple[int, ...],
+    media: Sequence[MediaInput],
+    positions: Sequence[int] | None,
+) -> tuple[tuple[int, ...], list[tuple[int, int, int]], bool]:
+    """Expand each placeholder; returns (tokens, [(start, end, image key)], all known)."""
+    if positions is None or len(positions) != len(media):
+        return (), [], False
+    out: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    cursor = 0
+    for item, position in zip(media, positions, strict=True):
+        if position < cursor or position >= len(tokens) or not item.num_tokens:
+            out.extend(tokens[cursor : max(cursor, min(position, len(tokens)))])
+            return tuple(out), spans, False
+        out.extend(tokens[cursor:position])
+        start = len(out)
+        out.extend((tokens[position],) * item.num_tokens)
+        spans.append((start, len(out), text_key(item.uuid)))
+        cursor = position + 1
+    out.extend(tokens[cursor:])
+    return tuple(out), spans, True
+
+
+def _images_per_block(
+    spans: Sequence[tuple[int, int, int]], block_size: int
+) -> list[tuple[int, ...]]:
+    last_end = spans[-1][1]
+    per_block: list[list[int]] = [[] for _ in range((last_end + block_size - 1) // block_size)]
+    for start, end, key in spans:
+        for block in range(start // block_size, (end - 1) // block_size + 1):
+            per_block[block].append(key)
+    return [tuple(keys) for keys in per_block]
+
+
+def event_block_keys(
+    extra_keys: Sequence[object] | None, lora_name: str | None
+) -> tuple[str | None, list[tuple[int, ...]] | None]:
+    """Split vLLM's per-block ``extra_keys`` into (cache salt, image keys per block).
+
+    Entries are strings (image identifiers, the LoRA name, the salt) or ``[identifier, offset]``
+    pairs, depending on the vLLM build. Image identifiers may carry a ``"<lora>:"`` prefix when
+    the adapter also touches the vision tower; it is stripped so they equal the uuid we sent.
+    """
+    if not extra_keys:
+        return None, None
+    salt: str | None = None
+    per_block: list[tuple[int, ...]] = []
+    any_image = False
+    prefix = f"{lora_name}:" if lora_name else None
+    for index, entry in enumerate(extra_keys):
+        if not entry:
+            per_block.append(())
+            continue
+        keys: list[int] = []
+        for item in entry if isinstance(entry, list | tuple) else (entry,):
+            identifier = item[0] if isinstance(item, list | tuple) and item else item
+            if not isinstance(identifier, str):
+                continue
+            if identifier.startswith(SALT_TAG):
+                if index == 0:
+                    salt = identifier[len(SALT_TAG) :]
+                continue
+            if identifier == lora_name:
+                continue
+            if prefix and identifier.startswith(prefix):
+                identifier = identifier[len(prefix) :]
+            keys.append(text_key(identifier))
+        if keys:
+            any_image = True
+        per_block.append(tuple(keys))
+    return salt, per_block if any_image else None

@@ -1,0 +1,263 @@
+"""What each rank holds: an index fed by KV events and one predicted from our own decisions.
+
+Both answer the same question, "how many leading blocks of this prompt does each rank hold?",
+with one dictionary lookup per block whatever the number of ranks: a key maps to a bitmask of
+the rank slots holding it. Slots are 0..n-1 in rank order (a frontend may serve ranks 4..7).
+
+The event index has a single writer (the intake thread) and the route path only reads it with
+``dict.get``, which is atomic under the GIL, so neither side takes a lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+
+import msgspec
+
+DEVICE = 0
+OFFLOADED = 1
+TIERS = (DEVICE, OFFLOADED)
+
+
+def medium_tier(medium: object) -> int:
+    """vLLM reports ``None`` or ``"GPU"`` for device memory; anything else is an offload tier."""
+    if medium is None:
+        return DEVICE
+    if isinstance(medium, str) and medium.upper() in ("GPU", "DEVICE", "HBM", "XPU", "NPU"):
+        return DEVICE
+    return OFFLOADED
+
+
+class PrefixMatch(msgspec.Struct, gc=False):
+    """Per slot: leading blocks held on device, and leading blocks held on any tier."""
+
+    device: list[int]
+    any_tier: list[int]
+
+
+def _record_drops(depths: list[int], dropped: int, depth: int) -> None:
+    while dropped:
+        low = dropped & -dropped
+        depths[low.bit_length() - 1] = depth
+        dropped ^= low
+
+
+def match_masks(
+    hashes: Sequence[int],
+    slots: int,
+    device: dict[int, int],
+    offloaded: dict[int, int] | None,
+) -> PrefixMatch:
+    """Longest held prefix per slot, walking the prompt once."""
+    full = (1 << slots) - 1
+    dev_alive = full
+    any_alive = full
+    dev_depth = [0] * slots
+    any_depth = [0] * slots
+    get = device.get
+    depth = 0
+    if offloaded:
+        off_get = offloaded.get
+        for depth, key in enumerate(hashes):
+            held = get(key, 0)
+            now_dev = dev_alive & held
+            if now_dev != dev_alive:
+                _record_drops(dev_depth, dev_alive & ~now_dev, depth)
+                dev_alive = now_dev
+            now_any = any_alive & (held | off_get(key, 0))
+            if now_any != any_alive:
+                _record_drops(any_depth, any_alive & ~now_any, depth)
+                any_alive = now_any
+                if not any_alive:
+                    break
+        else:
+            depth = len(hashes)
+    else:
+        for depth, key in enumerate(hashes):
+            now = dev_alive & get(key, 0)
+            if now != dev_alive:
+                _record_drops(dev_depth, dev_alive & ~now, depth)
+                dev_alive = now
+                if not dev_alive:
+                    break
+        else:
+            depth = len(hashes)
+        any_alive = dev_alive
+        any_depth = dev_depth
+    _record_drops(dev_depth, dev_alive, depth)
+    if any_depth is not dev_depth:
+        _record_drops(any_depth, any_alive, depth)
+    return PrefixMatch(device=dev_depth, any_tier=any_depth)
+
+
+class _RankTier:
+    """One rank's blocks on one tier, oldest first, bounded by ``capacity``."""
+
+    __slots__ = ("blocks", "capacity", "refs")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        # vLLM's block hash -> our chained key.
+        self.blocks: dict[Hashable, int] = {}
+        # Our key -> how many of this rank's vLLM blocks map to it (normally 1).
+        self.refs: dict[int, int] = {}
+
+
+class EventIndex:
+    """Blocks announced by each rank's KV events, keyed by our chained hashes.
+
+    Memory is bounded by each rank's real capacity: a rank cannot hold more device blocks than
+    discovery reported, so an overflow means removals were lost, and the oldest entry goes.
+    """
+
+    def __init__(self, device_capacity: Sequence[int], offload_capacity: Sequence[int]) -> None:
+        if len(device_capacity) != len(offload_capacity):
+            raise ValueError("one device and one offload capacity per slot")
+        self.slots = len(device_capacity)
+        self.device: dict[int, int] = {}
+        self.offloaded: dict[int, int] = {}
+        self._tiers = [
+            (_RankTier(max(1, dev)), _RankTier(max(1, off)))
+            for dev, off in zip(device_capacity, offload_capacity, strict=True)
+        ]
+        self.evicted = 0
+
+    def match(self, hashes: Sequence[int]) -> PrefixMatch:
+        return match_masks(hashes, self.slots, self.device, self.offloaded or None)
+
+    def parent_key(self, slot: int, block_hash: Hashable) -> int | None:
+        """Our key for a block vLLM named as a parent, on whichever tier the rank holds it."""
+        device, offloaded = self._tiers[slot]
+        key = device.blocks.get(block_hash)
+        if key is None:
+            key = offloaded.blocks.get(block_hash)
+        return key
+
+    def store(self, slot: int, tier: int, block_hash: Hashable, key: int) -> None:
+        rank_tier = self._tiers[slot][tier]
+        previous = rank_tier.blocks.get(block_hash)
+        if previous == key:
+            return
+        if previous is not None:
+            self._drop(slot, tier, rank_tier, block_hash)
+        elif len(rank_tier.blocks) >= rank_tier.capacity:
+            oldest = next(iter(rank_tier.blocks))
+            self._drop(slot, tier, rank_tier, oldest)
+            self.evicted += 1
+        rank_tier.blocks[block_hash] = key
+        refs = rank_tier.refs
+        count = refs.get(key, 0)
+        refs[key] = count + 1
+        if count == 0:
+            masks = self.device if tier == DEVICE else self.offloaded
+            masks[key] = masks.get(key, 0) | (1 << slot)
+
+    def remove(self, slot: int, tier: int, block_hash: Hashable) -> bool:
+        rank_tier = self._tiers[slot][tier]
+        if block_hash not in rank_tier.blocks:
+            return False
+        self._drop(slot, tier, rank_tier, block_hash)
+        return True
+
+    def clear(self, slot: int) -> None:
+        """Forget everything one rank holds (AllBlocksCleared, a purge)."""
+        keep = ~(1 << slot)
+        for tier, rank_tier in zip(TIERS, self._tiers[slot], strict=True):
+            masks = self.device if tier == DEVICE else self.offloaded
+            for key in rank_tier.refs:
+                mask = masks.get(key, 0) & keep
+                if mask:
+                    masks[key] = mask
+                else:
+                    masks.pop(key, None)
+            rank_tier.blocks = {}
+            rank_tier.refs = {}
+
+    def size(self, slot: int, tier: int = DEVICE) -> int:
+        return len(self._tiers[slot][tier].blocks)
+
+    def _drop(self, slot: int, tier: int, rank_tier: _RankTier, block_hash: Hashable) -> None:
+        key = rank_tier.blocks.pop(block_hash)
+        count = rank_tier.refs[key] - 1
+        if count:
+            rank_tier.refs[key] = count
+            return
+        del rank_tier.refs[key]
+        masks = self.device if tier == DEVICE else self.offloaded
+        mask = masks.get(key, 0) & ~(1 << slot)
+        if mask:
+            masks[key] = mask
+        else:
+            masks.pop(key, None)
+
+
+class PredictedIndex:
+    """What each rank probably caches, learnt from where we sent prompts; entries expire.
+
+    With KV events off this is the router's only view of the caches; with events on it covers
+    the seconds between routing a prompt and its blocks' events arriving, so a burst sharing a
+    new prefix lands together. Each slot is an LRU bounded by the rank's capacity, refreshed
+    on every reuse, and entries older than ``ttl`` seconds count for nothing.
+    """
+
+    def __init__(
+        self,
+        capacity: Sequence[int],
+        ttl: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl <= 0:
+            raise ValueError("ttl must be positive")
+        self.slots = len(capacity)
+        self.ttl = ttl
+        self._clock = clock
+        self._capacity = [max(1, c) for c in capacity]
+        self.masks: dict[int, int] = {}
+        self._entries: list[OrderedDict[int, float]] = [OrderedDict() for _ in capacity]
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        self.expire()
+        return match_masks(hashes, self.slots, self.masks, None).device
+
+    def record(self, slot: int, hashes: Sequence[int]) -> None:
+        now = self._clock()
+        expiry = now + self.ttl
+        entries = self._entries[slot]
+        bit = 1 << slot
+        masks = self.masks
+        capacity = self._capacity[slot]
+        for key in hashes:
+            if key in entries:
+                entries.move_to_end(key)
+            else:
+                if len(entries) >= capacity:
+                    self._forget(slot, entries.popitem(last=False)[0])
+                masks[key] = masks.get(key, 0) | bit
+            entries[key] = expiry
+        self._expire_slot(slot, now)
+
+    def expire(self) -> None:
+        now = self._clock()
+        for slot in range(self.slots):
+            self._expire_slot(slot, now)
+
+    def size(self, slot: int) -> int:
+        return len(self._entries[slot])
+
+    def _expire_slot(self, slot: int, now: float) -> None:
+        entries = self._entries[slot]
+        while entries:
+            key, expiry = next(iter(entries.items()))
+            if expiry > now:
+                return
+            del entries[key]
+            self._forget(slot, key)
+
+    def _forget(self, slot: int, key: int) -> None:
+        mask = self.masks.get(key, 0) & ~(1 << slot)
+        if mask:
+            self.masks[key] = mask
+        else:
+            self.masks.pop(key, None)

@@ -1,0 +1,441 @@
+"""The routing policies and the factory the CLI calls: ``kv`` (default), ``load``,
+``round_robin`` and ``engine``.
+
+``kv`` prices each rank as Dynamo's KV router does, in prompt-token units:
+``prefill_weight * (uncached prompt tokens + prefill already queued there)
++ decode_weight * tokens held by its requests in decode``, and takes the cheapest. Two guards
+keep that greedy choice honest: a rank at ``max_running_requests`` is skipped while another
+has room, and a rank running ``hot_spill_requests`` more requests than the least busy one is
+skipped, so one hot prefix cannot pile every request onto one rank. Exact ties go to a rank
+picked by the prompt's first block key, so a conversation's turns agree without always
+favouring rank 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from sidecar.errors import EngineUnavailable, InvalidRequest
+from sidecar.routing.base import RouteDecision, Router, RouteTicket
+from sidecar.routing.events import IntakeSettings, KvEventIntake
+from sidecar.routing.hashing import PromptKeys, prompt_keys
+from sidecar.routing.index import OFFLOADED, EventIndex, PredictedIndex
+from sidecar.routing.load import LoadTracker, UntrackedTicket
+from sidecar.routing.metrics import RankSnapshot, RoutingMetrics, routing_metrics
+from sidecar.types import EngineInfo, KvEventSource, PreparedRequest
+
+log = logging.getLogger(__name__)
+
+PolicyName = Literal["kv", "load", "round_robin", "engine"]
+POLICIES: tuple[PolicyName, ...] = ("kv", "load", "round_robin", "engine")
+
+
+class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Every routing tunable; validated once when built."""
+
+    policy: PolicyName = "kv"
+    # Cost weights, in prompt-token units (Dynamo's defaults: both 1).
+    prefill_weight: float = 1.0
+    decode_weight: float = 1.0
+    # Share of a block's prefill an offloaded (CPU/disk) copy saves.
+    offloaded_hit_weight: float = 0.5
+    # In-flight requests a rank may run above the least busy one before it is skipped.
+    hot_spill_requests: int = 8
+    # Seconds a routed prompt is believed cached on its rank: without KV events, and while
+    # waiting for the events of a prompt just routed (0: trust the events alone).
+    predict_ttl: float = 120.0
+    pending_ttl: float = 5.0
+    # Offloaded-tier index entries allowed per rank, as a multiple of its device blocks.
+    offload_index_factor: float = 4.0
+    # The model's image placeholder token id, used to find each image in a token prompt;
+    # without it, prompts with images are matched on none of their blocks.
+    image_token_id: int | None = None
+    intake: IntakeSettings = IntakeSettings()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose from {POLICIES}")
+        if self.prefill_weight < 0 or self.decode_weight < 0:
+            raise ValueError("routing weights must be >= 0")
+        if not 0.0 <= self.offloaded_hit_weight <= 1.0:
+            raise ValueError("offloaded_hit_weight must lie in [0, 1]")
+        if self.hot_spill_requests < 1:
+            raise ValueError("hot_spill_requests must be at least 1")
+        if self.predict_ttl <= 0:
+            raise ValueError("predict_ttl must be positive")
+        if self.pending_ttl < 0:
+            raise ValueError("pending_ttl must be >= 0")
+        if self.offload_index_factor < 0:
+            raise ValueError("offload_index_factor must be >= 0")
+
+
+def build_router(config: RoutingConfig, registry: CollectorRegistry | None = None) -> Router:
+    """The router for ``config.policy``; its metrics go to ``registry`` (default: global)."""
+    metrics = routing_metrics(registry)
+    if config.policy == "engine":
+        return EngineRouter(metrics)
+    if config.policy == "round_robin":
+        return RoundRobinRouter(config, metrics)
+    if config.policy == "load":
+        return LoadRouter(config, metrics)
+    return KvRouter(config, metrics)
+
+
+class EngineRouter:
+    """Sends no rank: vLLM's own balancer chooses (the baseline that knows no caches)."""
+
+    name = "engine"
+
+    def __init__(self, metrics: RoutingMetrics) -> None:
+        self._counter = metrics.routed.labels("engine", "none")
+        self._decision = RouteDecision(rank=None, policy="engine")
+
+    def configure(self, info: EngineInfo) -> None:
+        return None
+
+    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+        self._counter.inc()
+        if request.rank is not None:
+            return UntrackedTicket(
+                RouteDecision(rank=request.rank, policy="engine", reason="pinned")
+            )
+        return UntrackedTicket(self._decision)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _Topology(msgspec.Struct, frozen=True):
+    ranks: tuple[int, ...]
+    block_size: int
+    device_blocks: tuple[int, ...]
+    max_running: tuple[int, ...]
+    sources: tuple[KvEventSource, ...]
+
+
+def _topology(info: EngineInfo) -> _Topology:
+    by_rank = {cap.rank: cap for cap in info.capacity}
+    device = tuple(by_rank[r].kv_blocks if r in by_rank else 0 for r in info.ranks)
+    running = tuple(by_rank[r].max_running_requests if r in by_rank else 0 for r in info.ranks)
+    return _Topology(info.ranks, info.block_size, device, running, info.kv_event_sources)
+
+
+class _CountingRouter:
+    """Shared by the policies that pick a rank: topology, load view, pins and metrics."""
+
+    name: str = ""
+
+    def __init__(self, config: RoutingConfig, metrics: RoutingMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.topology: _Topology | None = None
+        self.slots: dict[int, int] = {}
+        self.load = LoadTracker(())
+        self._counters: list[tuple[Any, Any, Any]] = []
+        self._rotation = 0
+
+    def configure(self, info: EngineInfo) -> None:
+        topology = _topology(info)
+        if topology == self.topology:
+            return
+        self.topology = topology
+        self.slots = {rank: slot for slot, rank in enumerate(topology.ranks)}
+        self.load = LoadTracker(topology.max_running)
+        self._counters = [
+            (
+                self.metrics.routed.labels(self.name, str(rank)),
+                self.metrics.prompt_tokens.labels(str(rank)),
+                self.metrics.cached_tokens.labels(str(rank)),
+            )
+            for rank in topology.ranks
+        ]
+        self._on_configure(info, topology)
+        self.metrics.set_view(self.snapshot)
+
+    def _on_configure(self, info: EngineInfo, topology: _Topology) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def snapshot(self) -> Iterator[RankSnapshot]:
+        topology = self.topology
+        if topology is None:
+            return
+        load = self.load
+        for slot, rank in enumerate(topology.ranks):
+            device, offloaded, predicted = self._index_sizes(slot)
+            yield RankSnapshot(
+                rank=rank,
+                device_blocks=device,
+                offloaded_blocks=offloaded,
+                predicted_blocks=predicted,
+                in_flight=load.in_flight[slot],
+                prefill_tokens=load.prefill_tokens[slot],
+                decode_tokens=load.decode_tokens[slot],
+            )
+
+    def _index_sizes(self, slot: int) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+    def _pinned_slot(self, request: PreparedRequest) -> int | None:
+        if request.rank is None:
+            return None
+        slot = self.slots.get(request.rank)
+        if slot is None:
+            raise InvalidRequest(
+                f"data-parallel rank {request.rank} is not served here; ranks: {list(self.slots)}"
+            )
+        return slot
+
+    def _require_topology(self) -> _Topology:
+        if self.topology is None:
+            raise EngineUnavailable("the router has not been configured with an engine yet")
+        return self.topology
+
+    def _admit(
+        self,
+        slot: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        reason: str,
+    ) -> RouteTicket:
+        topology = self._require_topology()
+        decision = RouteDecision(
+            rank=topology.ranks[slot],
+            cached_tokens=cached_tokens,
+            prompt_tokens=prompt_tokens,
+            policy=self.name,
+            reason=reason,
+        )
+        routed, prompt, cached = self._counters[slot]
+        routed.inc()
+        prompt.inc(prompt_tokens)
+        if cached_tokens:
+            cached.inc(cached_tokens)
+        if prompt_tokens:
+            self.metrics.cached_ratio.observe(cached_tokens / prompt_tokens)
+        return self.load.admit(slot, decision, prompt_tokens - cached_tokens, prompt_tokens)
+
+    def _rotate(self, candidates: list[int]) -> int:
+        self._rotation += 1
+        return candidates[self._rotation % len(candidates)]
+
+    def _with_room(self) -> list[int]:
+        load = self.load
+        room = [slot for slot in range(load.slots) if load.has_room(slot)]
+        return room or list(range(load.slots))
+
+
+def _prompt_tokens(request: PreparedRequest) -> int:
+    extra = sum(max((item.num_tokens or 1) - 1, 0) for item in request.media)
+    return len(request.prompt_token_ids) + extra
+
+
+class RoundRobinRouter(_CountingRouter):
+    """Each rank in turn, blind to load and caches (a baseline)."""
+
+    name = "round_robin"
+
+    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+        topology = self._require_topology()
+        slot = self._pinned_slot(request)
+        reason = "pinned"
+        if slot is None:
+            slot = self._rotation % len(topology.ranks)
+            self._rotation += 1
+            reason = "turn"
+        return self._admit(slot, _prompt_tokens(request), 0, reason)
+
+
+class LoadRouter(_CountingRouter):
+    """The cheapest rank by the ``kv`` cost with no cache knowledge (a baseline)."""
+
+    name = "load"
+
+    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+        self._require_topology()
+        prompt_tokens = _prompt_tokens(request)
+        slot = self._pinned_slot(request)
+        if slot is not None:
+            return self._admit(slot, prompt_tokens, 0, "pinned")
+        load = self.load
+        wp, wd = self.config.prefill_weight, self.config.decode_weight
+        best: list[int] = []
+        best_cost = 0.0
+        for candidate in self._with_room():
+            cost = wp * load.prefill_tokens[candidate] + wd * load.decode_tokens[candidate]
+            cost += load.in_flight[candidate] * 1e-6
+            if not best or cost < best_cost:
+                best, best_cost = [candidate], cost
+            elif cost == best_cost:
+                best.append(candidate)
+        return self._admit(self._rotate(best), prompt_tokens, 0, "least_loaded")
+
+
+class KvRouter(_CountingRouter):
+    """KV-cache-aware and load-aware: the policy this gateway exists for."""
+
+    name = "kv"
+
+    def __init__(self, config: RoutingConfig, metrics: RoutingMetrics) -> None:
+        super().__init__(config, metrics)
+        self.events: EventIndex | None = None
+        self.intake: KvEventIntake | None = None
+        self.predicted: PredictedIndex | None = None
+        self._started = False
+        self._stopping: list[KvEventIntake] = []
+        self._last: tuple[PreparedRequest, PromptKeys] | None = None
+        self._spill_hot = metrics.spills.labels("hot_prefix")
+        self._spill_full = metrics.spills.labels("capacity")
+
+    def _on_configure(self, info: EngineInfo, topology: _Topology) -> None:
+        if self.intake is not None:
+            self.intake.stop()
+            self._stopping.append(self.intake)
+            self.intake = None
+        self.events = None
+        self._last = None
+        capacity = [max(1, blocks) for blocks in topology.device_blocks]
+        sources = topology.sources
+        ttl = self.config.predict_ttl
+        if sources:
+            offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
+            self.events = EventIndex(capacity, offload)
+            self.intake = KvEventIntake(
+                sources,
+                self.slots,
+                self.events,
+                topology.block_size,
+                self.metrics,
+                self.config.intake,
+            )
+            ttl = self.config.pending_ttl
+            if self._started:
+                self.intake.start()
+        else:
+            log.info("KV events are off: routing on load and on predictions from past routes")
+        self.predicted = PredictedIndex(capacity, ttl) if ttl > 0 else None
+
+    async def start(self) -> None:
+        self._started = True
+        if self.intake is not None:
+            self.intake.start()
+            await asyncio.to_thread(self.intake.wait_subscribed, 5.0)
+
+    async def close(self) -> None:
+        self._started = False
+        stopping = self._stopping
+        self._stopping = []
+        if self.intake is not None:
+            stopping.append(self.intake)
+            self.intake = None
+        for intake in stopping:
+            intake.stop()
+        for intake in stopping:
+            await asyncio.to_thread(intake.join, 5.0)
+
+    def _index_sizes(self, slot: int) -> tuple[int, int, int]:
+        predicted = self.predicted.size(slot) if self.predicted is not None else 0
+        events = self.events
+        if events is None:
+            return 0, 0, predicted
+        return events.size(slot), events.size(slot, OFFLOADED), predicted
+
+    def keys(self, request: PreparedRequest) -> PromptKeys:
+        """The request's block keys, computed once for all its choices."""
+        last = self._last
+        if last is not None and last[0] is request:
+            return last[1]
+        topology = self._require_topology()
+        positions = None
+        if request.media and self.config.image_token_id is not None:
+            image = self.config.image_token_id
+            positions = [i for i, token in enumerate(request.prompt_token_ids) if token == image]
+        keys = prompt_keys(
+            request.prompt_token_ids,
+            topology.block_size,
+            salt=request.cache_salt,
+            lora_name=request.lora_name,
+            media=request.media,
+            media_positions=positions,
+        )
+        self._last = (request, keys)
+        return keys
+
+    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+        topology = self._require_topology()
+        keys = self.keys(request)
+        hashes = keys.hashes
+        block = topology.block_size
+        prompt_tokens = keys.prompt_tokens
+        cached = self._cached_tokens(hashes, block, prompt_tokens)
+        slot = self._pinned_slot(request)
+        reason = "pinned"
+        if slot is None:
+            slot, reason = self._choose(cached, prompt_tokens, hashes)
+        if self.predicted is not None:
+            self.predicted.record(slot, hashes)
+        return self._admit(slot, prompt_tokens, cached[slot], reason)
+
+    def _cached_tokens(self, hashes: list[int], block: int, prompt_tokens: int) -> list[int]:
+        slots = self.load.slots
+        if not hashes:
+            return [0] * slots
+        predicted = self.predicted.match(hashes) if self.predicted is not None else [0] * slots
+        events = self.events
+        if events is None:
+            blocks = [float(depth) for depth in predicted]
+        else:
+            found = events.match(hashes)
+            weight = self.config.offloaded_hit_weight
+            blocks = [
+                max(dev, pred) + weight * max(0, tier - max(dev, pred))
+                for dev, tier, pred in zip(found.device, found.any_tier, predicted, strict=True)
+            ]
+        # vLLM always computes a prompt's last token, even when every block is cached.
+        limit = prompt_tokens - 1
+        return [min(int(b * block), limit) for b in blocks]
+
+    def _choose(self, cached: list[int], prompt_tokens: int, hashes: list[int]) -> tuple[int, str]:
+        load = self.load
+        wp, wd = self.config.prefill_weight, self.config.decode_weight
+        costs = [
+            wp * (prompt_tokens - cached[slot] + load.prefill_tokens[slot])
+            + wd * load.decode_tokens[slot]
+            for slot in range(load.slots)
+        ]
+        room = self._with_room()
+        least = min(load.in_flight[slot] for slot in room)
+        ceiling = least + self.config.hot_spill_requests
+        eligible = [slot for slot in room if load.in_flight[slot] <= ceiling]
+        best_cost = min(costs[slot] for slot in eligible)
+        tied = [slot for slot in eligible if costs[slot] <= best_cost + 1e-9]
+        if len(tied) == 1:
+            chosen = tied[0]
+        elif hashes:
+            chosen = tied[hashes[0] % len(tied)]
+        else:
+            chosen = self._rotate(tied)
+        reason = "best"
+        overall = min(costs)
+        if costs[chosen] > overall + 1e-9:
+            if len(room) < load.slots and min(costs[slot] for slot in room) > overall + 1e-9:
+                reason = "spill_capacity"
+                self._spill_full.inc()
+            else:
+                reason = "spill_hot"
+                self._spill_hot.inc()
+        return chosen, reason
