@@ -1,0 +1,217 @@
+"""Each policy's decisions through the public Router surface: route, tickets, configure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from sidecar.errors import EngineUnavailable, InvalidRequest
+from sidecar.routing.policy import RoutingConfig, build_router
+from sidecar.types import MediaInput
+from tests.routing.conftest import BLOCK, RigFactory, engine_info, prepared, sample
+from tests.routing.publisher import stored
+
+P = list(range(1000, 1016))
+TAIL = [7]
+PROBE = RoutingConfig(pending_ttl=0)
+
+
+async def test_hot_prefix_spills_to_the_least_busy_rank(event_rig: RigFactory) -> None:
+    rig = await event_rig(config=RoutingConfig(pending_ttl=0, hot_spill_requests=2))
+    rig.publishers[0].publish([stored([1, 2, 3, 4], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+
+    tickets = [rig.router.route(prepared(P + TAIL, f"r{i}")) for i in range(4)]
+    ranks = [t.decision.rank for t in tickets]
+    reasons = [t.decision.reason for t in tickets]
+    # Three on the cached rank (0, 1 and 2 ahead of the idle one), then the guard spills.
+    assert ranks == [0, 0, 0, 1]
+    assert reasons == ["best", "best", "best", "spill_hot"]
+    assert tickets[3].decision.cached_tokens == 0
+    # Once the hot rank drains, the prefix pulls requests back.
+    for ticket in tickets:
+        ticket.finished()
+    assert rig.route(P + TAIL) == (0, 16)
+    assert sample(rig.registry, "rankgate_routing_spills_total", reason="hot_prefix") == 1
+
+
+async def test_no_rank_above_capacity_while_another_has_room(event_rig: RigFactory) -> None:
+    config = RoutingConfig(pending_ttl=0, hot_spill_requests=100)
+    rig = await event_rig(config=config, max_running=2)
+    rig.publishers[0].publish([stored([1, 2, 3, 4], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+
+    tickets = [rig.router.route(prepared(P + TAIL, f"r{i}")) for i in range(5)]
+    # Rank 0 holds the prefix but runs at most two; the fifth finds both full and takes the
+    # cheapest again, since vLLM queues it either way.
+    assert [t.decision.rank for t in tickets] == [0, 0, 1, 1, 0]
+    assert [t.decision.reason for t in tickets][2:4] == ["spill_capacity", "spill_capacity"]
+    for ticket in tickets:
+        ticket.finished()
+    assert rig.router.route(prepared(P + TAIL, "again")).decision.rank == 0
+
+
+async def test_cost_trades_cached_prefix_against_queued_prefill() -> None:
+    router = build_router(RoutingConfig(decode_weight=0.0), CollectorRegistry())
+    router.configure(engine_info((0, 1)))
+    long_prompt = list(range(100, 400))
+    first = router.route(prepared(long_prompt, "a"))
+    # While the first is still prefilling, its rank has 300 tokens queued: re-prefilling the
+    # same 300 elsewhere is no worse, so the idle rank wins.
+    during = router.route(prepared(long_prompt, "b"))
+    assert during.decision.rank != first.decision.rank
+    during.finished()
+    first.first_token()
+    # Prefill done: the prompt is (predicted) cached there, so the next one stays.
+    after = router.route(prepared(long_prompt, "c"))
+    assert after.decision.rank == first.decision.rank
+    assert after.decision.cached_tokens == 299
+    # A different prompt goes where nothing is queued.
+    other = router.route(prepared(list(range(5000, 5300)), "d"))
+    assert other.decision.rank != first.decision.rank
+
+
+async def test_decode_load_counts_after_first_token() -> None:
+    config = RoutingConfig(prefill_weight=1.0, decode_weight=1.0)
+    router = build_router(config, CollectorRegistry())
+    router.configure(engine_info((0, 1)))
+    big = router.route(prepared(list(range(3000)), "big"))
+    big.first_token()
+    small = router.route(prepared(list(range(9000, 9100)), "small"))
+    assert small.decision.rank != big.decision.rank
+    big.finished()
+    big.finished()
+    big.first_token()
+
+
+async def test_client_pin_is_honoured_and_counted(registry: CollectorRegistry) -> None:
+    router = build_router(RoutingConfig(decode_weight=0.1), registry)
+    router.configure(engine_info((4, 5, 6)))
+    ticket = router.route(prepared(list(range(64)), rank=6))
+    assert ticket.decision.rank == 6
+    assert ticket.decision.reason == "pinned"
+    assert sample(registry, "rankgate_routing_in_flight_requests", rank="6") == 1
+    assert sample(registry, "rankgate_routing_requests_total", policy="kv", rank="6") == 1
+    ticket.first_token()
+    # The pinned prompt now counts as cached on rank 6 for its next turn.
+    follow = router.route(prepared([*range(64), 1, 2, 3, 4, 5]))
+    assert follow.decision.rank == 6
+    ticket.finished()
+    assert sample(registry, "rankgate_routing_in_flight_requests", rank="6") == 1
+    follow.finished()
+    assert sample(registry, "rankgate_routing_in_flight_requests", rank="6") == 0
+    with pytest.raises(InvalidRequest, match="rank 3 is not served"):
+        router.route(prepared(list(range(64)), rank=3))
+
+
+async def test_events_off_prediction_expires() -> None:
+    router = build_router(RoutingConfig(predict_ttl=0.3), CollectorRegistry())
+    router.configure(engine_info((0, 1, 2, 3)))
+    turn1 = list(range(500, 600))
+    first = router.route(prepared(turn1, "t1"))
+    first.finished()
+    turn2 = router.route(prepared([*turn1, *range(600, 640)], "t2"))
+    assert turn2.decision.rank == first.decision.rank
+    assert turn2.decision.cached_tokens == 100
+    turn2.finished()
+    await asyncio.sleep(0.4)
+    turn3 = router.route(prepared([*turn1, *range(600, 700)], "t3"))
+    assert turn3.decision.cached_tokens == 0
+
+
+async def test_ties_are_spread_by_first_block_not_rank_zero(event_rig: RigFactory) -> None:
+    # Events on but silent, no bridging predictions: every rank costs the same.
+    router = (await event_rig((0, 1, 2, 3), config=PROBE)).router
+    ranks = set()
+    for start in range(0, 4000, 100):
+        ticket = router.route(prepared(list(range(start, start + 40)), f"p{start}"))
+        ticket.finished()
+        ranks.add(ticket.decision.rank)
+        again = router.route(prepared(list(range(start, start + 40)), f"q{start}"))
+        again.finished()
+        assert again.decision.rank == ticket.decision.rank
+    assert ranks == {0, 1, 2, 3}
+
+
+async def test_images_fold_their_identity_into_the_blocks(event_rig: RigFactory) -> None:
+    image_token = 99
+    rig = await event_rig(config=RoutingConfig(pending_ttl=0, image_token_id=image_token))
+    uuid_a = "a" * 64
+    # Prompt as the engine saw it: 4 text tokens, the image expanded to 8 tokens, 4 text tokens.
+    engine_tokens = [1, 2, 3, 4, *[image_token] * 8, 5, 6, 7, 8]
+    keys = [None, [uuid_a], [uuid_a], None]
+    rig.publishers[1].publish(
+        [stored([11, 12, 13, 14], engine_tokens, block_size=BLOCK, extra_keys=keys)]
+    )
+    await rig.settle(1, 1)
+
+    prompt = [1, 2, 3, 4, image_token, 5, 6, 7, 8, 9]
+    same = [MediaInput(uuid=uuid_a, num_tokens=8)]
+    assert rig.route(prompt, media=same) == (1, 16)
+    other = [MediaInput(uuid="b" * 64, num_tokens=8)]
+    assert rig.route(prompt, media=other)[1] == 4
+    unknown_size = [MediaInput(uuid=uuid_a)]
+    assert rig.route(prompt, media=unknown_size)[1] == 4
+
+
+async def test_baselines() -> None:
+    registry = CollectorRegistry()
+    info = engine_info((0, 1, 2))
+    rr = build_router(RoutingConfig(policy="round_robin"), registry)
+    rr.configure(info)
+    assert [rr.route(prepared([1, 2, 3])).decision.rank for _ in range(4)] == [0, 1, 2, 0]
+
+    load = build_router(RoutingConfig(policy="load"), registry)
+    load.configure(info)
+    held = [load.route(prepared(list(range(200)), f"h{i}")) for i in range(3)]
+    assert sorted(t.decision.rank or 0 for t in held) == [0, 1, 2]
+    held[1].finished()
+    assert load.route(prepared([1, 2, 3])).decision.rank == held[1].decision.rank
+
+    engine = build_router(RoutingConfig(policy="engine"), registry)
+    engine.configure(info)
+    decision = engine.route(prepared([1, 2, 3])).decision
+    assert decision.rank is None
+    assert decision.header() == "rank=none;cached=0/0;policy=engine;reason="
+    assert sample(registry, "rankgate_routing_requests_total", policy="engine", rank="none") == 1
+
+
+async def test_unconfigured_router_refuses() -> None:
+    router = build_router(RoutingConfig(), CollectorRegistry())
+    with pytest.raises(EngineUnavailable):
+        router.route(prepared([1, 2, 3]))
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        RoutingConfig(policy="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weights"):
+        RoutingConfig(decode_weight=-1)
+    with pytest.raises(ValueError, match="hot_spill"):
+        RoutingConfig(hot_spill_requests=0)
+
+
+async def test_metrics_exposition(event_rig: RigFactory) -> None:
+    rig = await event_rig(config=PROBE)
+    rig.publishers[0].publish([stored([1, 2, 3, 4], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+    ticket = rig.router.route(prepared(P + TAIL))
+    registry = rig.registry
+    assert sample(registry, "rankgate_routing_index_blocks", rank="0", medium="device") == 4
+    assert sample(registry, "rankgate_routing_index_blocks", rank="1", medium="device") == 0
+    assert sample(registry, "rankgate_routing_requests_total", policy="kv", rank="0") == 1
+    assert sample(registry, "rankgate_routing_cached_tokens_total", rank="0") == 16
+    assert sample(registry, "rankgate_routing_prompt_tokens_total", rank="0") == 17
+    assert sample(registry, "rankgate_routing_in_flight_requests", rank="0") == 1
+    text = generate_latest(registry).decode()
+    for name in (
+        "rankgate_kv_event_lag_seconds",
+        "rankgate_routing_cached_prefix_ratio_bucket",
+        "rankgate_routing_pending_prefill_tokens",
+        "rankgate_routing_decode_tokens",
+    ):
+        assert name in text
+    ticket.finished()
+    assert sample(registry, "rankgate_routing_in_flight_requests", rank="0") == 0
