@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
+
+import uvloop
 
 from mocker.config import ConfigError, MockEngineConfig
 
@@ -99,7 +100,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         logging.getLogger("mocker").error("invalid configuration: %s", exc)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(config))
+        uvloop.run(serve_forever(config))
     return 0
 
 

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import uvloop
+
 from mocker.config import MockEngineConfig
 from mocker.engine import RankEngine
 from mocker.faults import Faults
@@ -177,8 +179,11 @@ def _snapshot(engine: RankEngine) -> RankStats:
 
 @contextmanager
 def running_mock_engine(config: MockEngineConfig) -> Iterator[MockEngineHandle]:
-    """Start the mock on a private thread and loop; stop it (and the thread) on exit."""
-    loop = asyncio.new_event_loop()
+    """Start the mock on a private thread and uvloop loop; stop it (and the thread) on exit.
+
+    uvloop roughly halves the engine's CPU per streamed request under grpc.aio.
+    """
+    loop = uvloop.new_event_loop()
     started: Future[MockServer] = Future()
     stop = asyncio.Event()
 
