@@ -1,0 +1,180 @@
+"""``rankgate serve`` and ``rankgate mock-engine``.
+
+Every ``serve`` flag can also come from the environment as ``RANKGATE_<FLAG>`` (dashes as
+underscores), which is how containers configure it; a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from app import __version__
+from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from app.settings import GatewaySettings
+
+POLICIES = ("kv", "load", "round_robin", "engine")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _env(name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
+    raw = os.environ.get("RANKGATE_" + name.upper().replace("-", "_"))
+    if raw is None or raw == "":
+        return default
+    try:
+        return convert(raw)
+    except ValueError:
+        raise SystemExit(f"RANKGATE_{name.upper().replace('-', '_')}={raw!r} is invalid") from None
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GatewaySettings()
+    a = parser.add_argument
+    a("--host", default=_env("host", d.host), help="HTTP listen address (default: %(default)s)")
+    a(
+        "--port",
+        type=int,
+        default=_env("port", d.port, int),
+        help="HTTP port (default: %(default)s)",
+    )
+    a(
+        "--engine",
+        default=_env("engine", d.engine),
+        help="vLLM gRPC endpoint HOST:PORT; without it the bundled mock engine runs in-process",
+    )
+    a(
+        "--tokenizer",
+        default=_env("tokenizer", d.tokenizer),
+        help="tokenizer directory (default: the model dir vLLM reports, or the local HF cache)",
+    )
+    a(
+        "--served-model-name",
+        default=_env("served_model_name", d.served_model_name),
+        help="the model name clients use (default: vLLM's served name)",
+    )
+    a(
+        "--policy",
+        choices=POLICIES,
+        default=_env("policy", d.policy),
+        help="data-parallel routing policy (default: %(default)s)",
+    )
+    a(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=_env("log_level", d.log_level).lower(),
+        help="(default: %(default)s)",
+    )
+    a("--chat-template", default=_env("chat_template", d.chat_template), help="Jinja template file")
+    a(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=_env("tool_call_parser", d.tool_call_parser),
+        help="parse tool calls from output (default: the parser vLLM names)",
+    )
+    a(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=_env("reasoning_parser", d.reasoning_parser),
+        help="split <think> reasoning from output (default: the parser vLLM names)",
+    )
+    a(
+        "--startup-timeout",
+        type=float,
+        default=_env("startup_timeout", d.startup_timeout, float),
+        help="seconds to wait for the engine at startup (default: %(default)s)",
+    )
+    a(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=_env("access_log", d.access_log, _bool),
+        help="log every HTTP request (default: off; it costs CPU per request)",
+    )
+    a(
+        "--mock-speed",
+        type=float,
+        default=_env("mock_speed", d.mock_speed, float),
+        help="bundled mock engine timing: 0 = zero latency, 1 = GPU-like (default: %(default)s)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    return GatewaySettings(
+        host=args.host,
+        port=args.port,
+        engine=args.engine or None,
+        tokenizer=args.tokenizer or None,
+        served_model_name=args.served_model_name or None,
+        policy=args.policy,
+        log_level=args.log_level,
+        chat_template=args.chat_template or None,
+        tool_call_parser=args.tool_call_parser or None,
+        reasoning_parser=args.reasoning_parser or None,
+        startup_timeout=args.startup_timeout,
+        access_log=args.access_log,
+        mock_speed=args.mock_speed,
+    )
+
+
+def serve(settings: GatewaySettings) -> int:
+    import uvicorn
+
+    from app.server import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    # uvicorn returns normally when startup fails; report that as a failure.
+    return 0 if server.started else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rankgate", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rankgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser(
+        "serve", help="serve the OpenAI API in front of vLLM (or the bundled mock engine)"
+    )
+    add_serve_arguments(serve_parser)
+    serve_parser.set_defaults(handler=lambda args: serve(settings_from_args(args)))
+    from mocker.cli import register
+
+    register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.handler(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

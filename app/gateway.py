@@ -1,0 +1,110 @@
+"""The per-process serving state the routes share, built once the engine is discovered.
+
+Routes depend on the :class:`Engine` protocol rather than on the sidecar class, so the whole
+HTTP surface can be driven in tests by any engine that speaks the same typed contract.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from app.prepare.chat import ChatPreparer, ChatSettings
+from app.prepare.completion import CompletionPreparer
+from app.prepare.media import IMAGE_PLACEHOLDERS, MediaHook
+from app.prepare.models import ModelRegistry
+from app.prepare.template import ChatTemplate
+from app.prepare.tokenizer import TextTokenizer, locate_tokenizer
+from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from sidecar.types import Delta, EngineInfo, PreparedRequest
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]: ...
+
+    async def list_loras(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """Operator choices that shape serving (CLI flags), all optional."""
+
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+class Gateway:
+    def __init__(
+        self,
+        engine: Engine,
+        options: ServingOptions,
+        media: MediaHook | None = None,
+    ) -> None:
+        info = engine.info
+        self.engine = engine
+        directory = locate_tokenizer(options.tokenizer, info.model_id)
+        self.tokenizer = TextTokenizer(directory)
+        source = self.tokenizer.files.chat_template
+        if options.chat_template is not None:
+            source = Path(options.chat_template).read_text()
+        self.template = (
+            ChatTemplate(source, self.tokenizer.files.special_tokens) if source else None
+        )
+        if self.template is None:
+            log.warning("no chat template in %s: /v1/chat/completions will refuse", directory)
+        placeholder = next(
+            (p for p in IMAGE_PLACEHOLDERS if self.tokenizer.token_id(p) is not None), None
+        )
+        settings = ChatSettings(
+            tool_call_parser=_parser(options.tool_call_parser, info.tool_call_parser, "tool call"),
+            reasoning_parser=_parser(options.reasoning_parser, info.reasoning_parser, "reasoning"),
+            image_placeholder=placeholder,
+        )
+        self.settings = settings
+        self.models = ModelRegistry(
+            info.served_model_name,
+            info.aliases,
+            info.model_id,
+            engine.list_loras if info.supports_lora else None,
+        )
+        self.chat = ChatPreparer(self.tokenizer, self.template, settings, media)
+        self.completions = CompletionPreparer(self.tokenizer)
+        log.info(
+            "tokenizer %s; chat template %s; tool-call parser %s; reasoning parser %s",
+            directory,
+            "none" if self.template is None else self.template.content_format,
+            settings.tool_call_parser or "none",
+            settings.reasoning_parser or "none",
+        )
+
+
+def _parser(operator: str | None, engine: str, what: str) -> str | None:
+    """The operator's choice wins; vLLM's is used when this gateway knows it."""
+    known = TOOL_CALL_PARSERS if what == "tool call" else REASONING_PARSERS
+    if operator:
+        if operator not in known:
+            raise ValueError(f"unknown {what} parser {operator!r}; known: {', '.join(known)}")
+        return operator
+    if engine and engine not in known:
+        log.warning(
+            "vLLM names %s parser %r, which this gateway does not implement; output is returned "
+            "as plain text (known: %s)",
+            what,
+            engine,
+            ", ".join(known),
+        )
+        return None
+    return engine or None

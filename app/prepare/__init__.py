@@ -1,0 +1,1 @@
+"""From an OpenAI request to a tokenized, validated :class:`sidecar.types.PreparedRequest`."""

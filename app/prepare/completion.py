@@ -1,0 +1,165 @@
+"""OpenAI completions requests → one tokenized :class:`PreparedRequest` per prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from app.errors import invalid, unsupported
+from app.prepare.params import (
+    check_token_ids,
+    refuse_unsupported,
+    sampling_params,
+    stopping_params,
+    structured_output,
+)
+from app.prepare.tokenizer import TextTokenizer
+from app.schemas.requests import CompletionRequest
+from sidecar.types import OutputOptions, PreparedRequest
+
+MAX_PROMPTS = 256
+OFFLOAD_CHARS = 16_384
+DEFAULT_MAX_TOKENS = 16
+_COMPLETION_REFUSED = (
+    ("suffix", "is not supported (no insertion mode)"),
+    ("prompt_embeds", "is not supported"),
+)
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompletion:
+    requests: tuple[PreparedRequest, ...]
+    prompt_lengths: tuple[int, ...]
+    echo: tuple[str, ...] | None
+    top_logprobs: int | None
+
+
+def split_prompts(value: str | list[object]) -> list[Prompt]:
+    """OpenAI's four prompt shapes as a list of text or token prompts, or a 400 naming why."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise invalid("'prompt' must not be an empty list", "prompt")
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts", "prompt")
+    first = value[0]
+    if isinstance(first, bool) or not isinstance(first, str | int | list):
+        raise invalid("'prompt' items must be strings, token ids or token-id lists", "prompt[0]")
+    if isinstance(first, int):
+        return [_token_list(value, "prompt")]
+    prompts: list[Prompt] = []
+    for i, item in enumerate(value):
+        where = f"prompt[{i}]"
+        if isinstance(first, str):
+            if not isinstance(item, str):
+                raise invalid("a batch of prompts must all be strings", where)
+            prompts.append(item)
+        else:
+            if not isinstance(item, list):
+                raise invalid("a batch of token prompts must all be token-id lists", where)
+            prompts.append(_token_list(item, where))
+    return prompts
+
+
+def _token_list(items: list[object], where: str) -> list[int]:
+    if not items:
+        raise invalid("a token prompt must not be empty", where)
+    for j, token in enumerate(items):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise invalid("token ids must be non-negative integers", f"{where}[{j}]")
+    return [int(t) for t in items]  # type: ignore[call-overload]
+
+
+class CompletionPreparer:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tok = tokenizer
+
+    async def prepare(
+        self,
+        req: CompletionRequest,
+        *,
+        request_id: str,
+        lora_name: str | None,
+        max_model_len: int,
+        rank: int | None,
+    ) -> PreparedCompletion:
+        refuse_unsupported(req, _COMPLETION_REFUSED)
+        if req.best_of is not None and req.best_of != req.n:
+            raise unsupported("best_of", "is supported only when equal to n")
+        if req.echo and req.logprobs is not None:
+            raise unsupported("echo", "cannot be combined with logprobs (no prompt logprobs)")
+        prompts = split_prompts(req.prompt)
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded: list[list[int]] = []
+        if texts:
+            size = sum(len(t) for t in texts)
+            if size > OFFLOAD_CHARS:
+                encoded = await asyncio.to_thread(self._tok.encode_batch, texts, add_special)
+            elif len(texts) == 1:
+                encoded = [self._tok.encode(texts[0], add_special)]
+            else:
+                encoded = self._tok.encode_batch(texts, add_special)
+        next_text = iter(encoded)
+        token_prompts: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = next(next_text)
+            else:
+                check_token_ids(prompt, self._tok.vocab_size, where)
+                ids = prompt
+            if not ids:
+                raise invalid("the prompt is empty after tokenization", where)
+            if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
+                ids = ids[-req.truncate_prompt_tokens :]
+            token_prompts.append(ids)
+
+        sampling = sampling_params(req, self._tok.vocab_size)
+        structured = structured_output(req)
+        output = OutputOptions(logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens)
+        requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        requests: list[PreparedRequest] = []
+        for i, ids in enumerate(token_prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            stopping = stopping_params(
+                req,
+                prompt_len=len(ids),
+                requested=min(requested, max_model_len - len(ids))
+                if req.max_tokens is None
+                else requested,
+                max_model_len=max_model_len,
+                vocab_size=self._tok.vocab_size,
+                prompt_param=where,
+                max_param="max_tokens",
+            )
+            requests.append(
+                PreparedRequest(
+                    request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                    prompt_token_ids=tuple(ids),
+                    sampling=sampling,
+                    stopping=stopping,
+                    output=output,
+                    structured=structured,
+                    n=req.n,
+                    cache_salt=req.cache_salt,
+                    priority=req.priority,
+                    lora_name=lora_name,
+                    kv_transfer_params=req.kv_transfer_params,
+                    rank=rank,
+                )
+            )
+        echo: tuple[str, ...] | None = None
+        if req.echo:
+            echo = tuple(
+                p if isinstance(p, str) else self._tok.decode(p, skip_special_tokens=False)
+                for p in prompts
+            )
+        return PreparedCompletion(
+            requests=tuple(requests),
+            prompt_lengths=tuple(len(ids) for ids in token_prompts),
+            echo=echo,
+            top_logprobs=req.logprobs,
+        )

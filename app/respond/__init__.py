@@ -1,0 +1,1 @@
+"""From the sidecar's deltas to OpenAI responses: SSE chunks or one JSON body."""

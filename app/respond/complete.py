@@ -1,0 +1,163 @@
+"""Non-streaming responses: gather every choice's deltas, then encode one body."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from app.respond.context import ResponseContext
+from app.respond.parsers import ChoiceParser, Parsed
+from app.respond.usage import UsageCounter
+from app.schemas.responses import (
+    ChatChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    FunctionCallOut,
+    ToolCallOut,
+)
+from sidecar.types import Delta, TokenLogprob
+
+_ENCODER = msgspec.json.Encoder()
+
+
+class _Choice:
+    __slots__ = ("finish_reason", "kv_transfer_params", "logprobs", "stop_reason", "text")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+
+
+async def _gather(
+    ctx: ResponseContext, deltas: AsyncIterator[Delta]
+) -> tuple[list[_Choice], UsageCounter]:
+    choices = [_Choice() for _ in range(ctx.choices)]
+    usage = UsageCounter(ctx)
+    async for delta in deltas:
+        usage.add(delta)
+        choice = choices[delta.index]
+        if delta.text:
+            choice.text.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
+            choice.kv_transfer_params = delta.kv_transfer_params
+    return choices, usage
+
+
+def _transfer_params(choices: list[_Choice]) -> Any:
+    for choice in choices:
+        if choice.kv_transfer_params is not None:
+            return choice.kv_transfer_params
+    return msgspec.UNSET
+
+
+async def chat_completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> bytes:
+    gathered, usage = await _gather(ctx, deltas)
+    choices: list[ChatChoice] = []
+    for index, choice in enumerate(gathered):
+        text = "".join(choice.text)
+        message = ChatMessageOut(content=text)
+        finish = choice.finish_reason
+        if ctx.plan.active:
+            parser = ChoiceParser(ctx.plan)
+            parsed = parser.feed(text)
+            tail = parser.finish()
+            message = _parsed_message(parsed, tail)
+            finish = parser.finish_reason(finish)
+        logprobs: ChatLogprobs | None = None
+        if ctx.logprobs is not None:
+            entries: list[ChatTokenLogprob] = ctx.logprobs.chat(choice.logprobs)
+            logprobs = ChatLogprobs(content=entries)
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=message,
+                logprobs=logprobs,
+                finish_reason=finish,
+                stop_reason=choice.stop_reason,
+            )
+        )
+    body = ChatCompletion(
+        id=ctx.response_id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=choices,
+        usage=usage.usage(),
+        kv_transfer_params=_transfer_params(gathered),
+    )
+    return _ENCODER.encode(body)
+
+
+def _parsed_message(head: Parsed, tail: Parsed) -> ChatMessageOut:
+    reasoning = head.reasoning + tail.reasoning
+    content = head.content + tail.content
+    calls: dict[int, list[str]] = {}
+    names: dict[int, tuple[str, str]] = {}
+    for call in (*head.calls, *tail.calls):
+        if call.id is not None and call.name is not None:
+            names[call.index] = (call.id, call.name)
+        calls.setdefault(call.index, []).append(call.arguments)
+    tool_calls = [
+        ToolCallOut(
+            id=names[i][0],
+            function=FunctionCallOut(name=names[i][1], arguments="".join(calls[i])),
+        )
+        for i in sorted(names)
+    ]
+    message = ChatMessageOut(content=content if content or not tool_calls else None)
+    if tool_calls:
+        message.tool_calls = tool_calls
+    if reasoning:
+        message.reasoning_content = reasoning
+    return message
+
+
+async def completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> bytes:
+    gathered, usage = await _gather(ctx, deltas)
+    choices: list[CompletionChoice] = []
+    for index, choice in enumerate(gathered):
+        prefix = ctx.echo[index // ctx.n] if ctx.echo is not None else ""
+        logprobs: CompletionLogprobs | None = None
+        if ctx.logprobs is not None:
+            logprobs = CompletionLogprobs(
+                tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
+            )
+            ctx.logprobs.completion(
+                choice.logprobs,
+                len(prefix),
+                logprobs.tokens,
+                logprobs.token_logprobs,
+                logprobs.top_logprobs,
+                logprobs.text_offset,
+            )
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=prefix + "".join(choice.text),
+                logprobs=logprobs,
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+        )
+    body = Completion(
+        id=ctx.response_id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=choices,
+        usage=usage.usage(),
+        kv_transfer_params=_transfer_params(gathered),
+    )
+    return _ENCODER.encode(body)

@@ -1,0 +1,87 @@
+"""Several engine requests as one delta stream (a completions batch), and first-delta priming.
+
+Priming awaits the first delta before the HTTP response starts, so an engine that refuses
+the request produces a proper 4xx/5xx status instead of a 200 stream with an error inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from sidecar.errors import EngineFailure
+from sidecar.types import Delta
+
+
+class Primed:
+    """An async iterator that yields an already-fetched first delta, then the rest."""
+
+    __slots__ = ("_first", "_rest")
+
+    def __init__(self, first: Delta, rest: AsyncIterator[Delta]) -> None:
+        self._first: Delta | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> Primed:
+        return self
+
+    async def __anext__(self) -> Delta:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        await close_stream(self._rest)
+
+
+async def close_stream(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def prime(stream: AsyncIterator[Delta]) -> Primed:
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        raise EngineFailure("the engine ended the request without any output") from None
+    except BaseException:
+        await close_stream(stream)
+        raise
+    return Primed(first, stream)
+
+
+async def merged(streams: Sequence[AsyncIterator[Delta]], n: int) -> AsyncIterator[Delta]:
+    """Interleave streams as they produce; stream k's choice i becomes choice ``k * n + i``."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield delta
+        return
+    reads: dict[asyncio.Future[Delta], int] = {}
+    try:
+        for k, stream in enumerate(streams):
+            reads[asyncio.ensure_future(stream.__anext__())] = k
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                k = reads.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                reads[asyncio.ensure_future(streams[k].__anext__())] = k
+                delta.index += k * n
+                yield delta
+    finally:
+        for task in reads:
+            task.cancel()
+        for task in reads:
+            with contextlib.suppress(BaseException):
+                await task
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await close_stream(stream)

@@ -1,0 +1,90 @@
+"""``POST /v1/chat/completions``."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from app.errors import status_of
+from app.respond.complete import chat_completion
+from app.respond.context import ResponseContext
+from app.respond.logprobs import LogprobFormatter
+from app.respond.merge import close_stream, prime
+from app.respond.stream import chat_events, guarded
+from app.routes.common import decode_body, gateway_of, metrics_of, new_id, pinned_rank
+from app.schemas.openapi import operation
+from app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
+
+router = APIRouter()
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_class=Response,
+    summary="Create a chat completion",
+    **operation("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+)
+async def create_chat_completion(request: Request) -> Response:
+    started = time.perf_counter()
+    metrics = metrics_of(request)
+    try:
+        response = await _serve(request, started)
+    except Exception as exc:
+        metrics.done("chat", status_of(exc), time.perf_counter() - started)
+        raise
+    if not isinstance(response, StreamingResponse):
+        metrics.done("chat", response.status_code, time.perf_counter() - started)
+    return response
+
+
+async def _serve(request: Request, started: float) -> Response:
+    gateway = gateway_of(request)
+    req: ChatCompletionRequest = await decode_body(request, CHAT_DECODER)
+    target = await gateway.models.resolve(req.model)
+    info = gateway.engine.info
+    rid = req.request_id or new_id()
+    prepared = await gateway.chat.prepare(
+        req,
+        request_id=rid,
+        lora_name=target.lora_name,
+        max_model_len=info.max_model_len,
+        rank=pinned_rank(request),
+    )
+    options = req.stream_options
+    ctx = ResponseContext(
+        kind="chat",
+        response_id=f"chatcmpl-{rid}",
+        created=int(time.time()),
+        model=req.model,
+        n=req.n,
+        prompt_lengths=(prepared.prompt_len,),
+        include_usage=options is not None and options.include_usage,
+        continuous_usage=options is not None and options.continuous_usage_stats,
+        logprobs=None
+        if prepared.top_logprobs is None
+        else LogprobFormatter(
+            gateway.tokenizer, prepared.top_logprobs, req.return_tokens_as_token_ids
+        ),
+        plan=prepared.plan,
+    )
+    deltas = await prime(gateway.engine.generate(prepared.request))
+    if req.stream:
+        metrics = metrics_of(request)
+
+        def done(status: int) -> None:
+            metrics.done("chat", status, time.perf_counter() - started)
+
+        return StreamingResponse(
+            guarded(chat_events(ctx, deltas), deltas, done),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    try:
+        body = await chat_completion(ctx, deltas)
+    finally:
+        await close_stream(deltas)
+    return Response(body, media_type="application/json")

@@ -1,0 +1,62 @@
+"""What every OpenAI route does the same way: body decoding, ids, headers, state lookup."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import Request
+
+from app.errors import ApiError, from_decode_error, invalid
+from app.gateway import Gateway
+from app.metrics import GatewayMetrics
+from sidecar.errors import EngineUnavailable
+
+T = TypeVar("T")
+RANK_HEADER = "x-data-parallel-rank"
+MAX_BODY_BYTES = 32 << 20
+
+
+def new_id() -> str:
+    return os.urandom(12).hex()
+
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway | None = getattr(request.app.state, "gateway", None)
+    if gateway is None:
+        raise EngineUnavailable("the gateway is starting", 1.0)
+    return gateway
+
+
+def metrics_of(request: Request) -> GatewayMetrics:
+    metrics: GatewayMetrics = request.app.state.metrics
+    return metrics
+
+
+async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="too_large")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="too_large")
+    if not body:
+        raise invalid("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise from_decode_error(exc) from None
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not valid UTF-8: {exc}", code="invalid_json") from None
+
+
+def pinned_rank(request: Request) -> int | None:
+    """A client may pin a DP rank with the ``x-data-parallel-rank`` header, as with vLLM."""
+    value = request.headers.get(RANK_HEADER)
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isdigit():
+        raise invalid(f"header '{RANK_HEADER}' must be a non-negative integer", RANK_HEADER)
+    return int(text)

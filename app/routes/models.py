@@ -1,0 +1,48 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}``: served name, aliases and LoRA adapters."""
+
+from __future__ import annotations
+
+import msgspec
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from app.errors import model_not_found
+from app.routes.common import gateway_of
+from app.schemas.openapi import json_response
+from app.schemas.responses import ModelList, ModelObject
+
+router = APIRouter()
+_ENCODER = msgspec.json.Encoder()
+
+
+async def _objects(request: Request) -> list[ModelObject]:
+    gateway = gateway_of(request)
+    created: int = request.app.state.started_at
+    max_len = gateway.engine.info.max_model_len
+    return [
+        ModelObject(
+            id=card.id,
+            created=created,
+            owned_by="rankgate",
+            root=card.root,
+            parent=card.parent,
+            max_model_len=max_len,
+        )
+        for card in await gateway.models.cards()
+    ]
+
+
+@router.get("/v1/models", response_class=Response, responses=json_response("ModelList"))
+async def list_models(request: Request) -> Response:
+    body = _ENCODER.encode(ModelList(data=await _objects(request)))
+    return Response(body, media_type="application/json")
+
+
+@router.get(
+    "/v1/models/{model:path}", response_class=Response, responses=json_response("ModelObject")
+)
+async def retrieve_model(request: Request, model: str) -> Response:
+    for item in await _objects(request):
+        if item.id == model:
+            return Response(_ENCODER.encode(item), media_type="application/json")
+    raise model_not_found(model)

@@ -1,0 +1,1 @@
+"""OpenAI wire shapes as msgspec Structs: decoded and encoded in C; the source of /openapi.json."""

@@ -1,0 +1,158 @@
+"""The FastAPI application: routes, error handlers, OpenAPI, and the engine's lifecycle.
+
+Startup waits for the engine (vLLM, or the bundled mock when no ``--engine`` is given) to be
+discovered, then loads the tokenizer its model id names; failures stop the process with a
+message saying what to fix, instead of serving a gateway that can only answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from app import __version__
+from app.errors import install_error_handlers
+from app.gateway import Engine, Gateway, ServingOptions
+from app.metrics import GatewayMetrics
+from app.prepare.media import MediaHook
+from app.routes import chat, completions, models, ops
+from app.schemas.openapi import install_openapi
+from app.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+MOCK_MODEL = "rankgate-mock"
+MOCK_DP = 2
+
+
+def tiny_tokenizer_dir() -> Path:
+    """The tokenizer shipped inside the package for the embedded mock engine."""
+    import mocker
+
+    return Path(mocker.__file__).resolve().parent / "assets" / "tiny-tokenizer"
+
+
+def _free_port_pair() -> int:
+    """A base port P with P and P+1 free (one KV-event socket per mock DP rank)."""
+    for _ in range(64):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + MOCK_DP > 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port pair for the mock engine's KV events")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    engine: Engine | None = None,
+    media: MediaHook | None = None,
+) -> FastAPI:
+    """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here."""
+    registry = CollectorRegistry()
+    options = ServingOptions(
+        tokenizer=settings.tokenizer,
+        chat_template=settings.chat_template,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            serving = engine
+            if serving is None:
+                serving = await _start_sidecar(settings, registry, options, stack)
+            app.state.gateway = await asyncio.to_thread(Gateway, serving, options, media)
+            try:
+                yield
+            finally:
+                app.state.gateway = None
+
+    app = FastAPI(
+        title="Rankgate",
+        version=__version__,
+        description="OpenAI-compatible gateway in front of vLLM with KV-cache-aware DP routing.",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.gateway = None
+    app.state.registry = registry
+    app.state.metrics = GatewayMetrics(registry)
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    for module in (chat, completions, models, ops):
+        app.include_router(module.router)
+    install_openapi(app)
+    return app
+
+
+async def _start_sidecar(
+    settings: GatewaySettings,
+    registry: CollectorRegistry,
+    options: ServingOptions,
+    stack: AsyncExitStack,
+) -> Engine:
+    from sidecar.config import SidecarConfig
+    from sidecar.engine import Sidecar
+    from sidecar.routing.policy import RoutingConfig, build_router
+
+    endpoint = settings.engine
+    if endpoint is None:
+        endpoint = await _start_mock(settings, stack)
+    router = build_router(RoutingConfig(policy=settings.policy), registry)  # type: ignore[arg-type]
+    sidecar = Sidecar(
+        SidecarConfig(
+            endpoint=endpoint,
+            startup_timeout=settings.startup_timeout,
+            served_model_name=settings.served_model_name,
+        ),
+        router,
+    )
+    await sidecar.start()
+    stack.push_async_callback(sidecar.close)
+    return sidecar
+
+
+async def _start_mock(settings: GatewaySettings, stack: AsyncExitStack) -> str:
+    from mocker.config import MockEngineConfig
+    from mocker.testing import running_mock_engine
+
+    tokenizer = settings.tokenizer or str(tiny_tokenizer_dir())
+    config = MockEngineConfig(
+        host="127.0.0.1",
+        port=_free_port(),
+        dp_size=MOCK_DP,
+        model=MOCK_MODEL,
+        tokenizer=tokenizer,
+        model_id=tokenizer,
+        kv_events_port=_free_port_pair(),
+        kv_replay_port=_free_port_pair(),
+        speed=settings.mock_speed,
+    )
+    handle = await asyncio.to_thread(stack.enter_context, running_mock_engine(config))
+    log.info("started the bundled mock engine (DP=%d, KV events on) at %s", MOCK_DP, handle.target)
+    return str(handle.target)

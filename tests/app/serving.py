@@ -1,0 +1,43 @@
+"""Run an app under uvicorn on loopback in a background thread, as a client would see it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from tests.support.ports import free_port
+
+
+@contextmanager
+def serve_app(app: FastAPI, timeout: float = 60.0) -> Iterator[str]:
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the gateway failed to start; see the log above")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError("the gateway did not start in time")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,223 @@
+"""Every client mistake is a 4xx with OpenAI's error JSON naming the field; never a 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
+
+USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": SCRIPTED_MODEL, "messages": USER, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": SCRIPTED_MODEL, "prompt": "hi", **fields}
+
+
+CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("missing messages", {"model": SCRIPTED_MODEL}, 400, "messages"),
+    ("missing model", {"messages": USER}, 400, "model"),
+    ("empty messages", chat(messages=[]), 400, "messages"),
+    ("unknown field", chat(frobnicate=1), 400, "frobnicate"),
+    (
+        "unknown message field",
+        chat(messages=[{"role": "user", "content": "x", "foo": 1}]),
+        400,
+        "messages[0].foo",
+    ),
+    ("bad role", chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
+    ("content type", chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    (
+        "part type",
+        chat(messages=[{"role": "user", "content": [{"type": "video"}]}]),
+        400,
+        "messages[0].content[0].type",
+    ),
+    ("temperature type", chat(temperature="hot"), 400, "temperature"),
+    ("temperature range", chat(temperature=2.5), 400, "temperature"),
+    ("top_p range", chat(top_p=0), 400, "top_p"),
+    ("n range", chat(n=0), 400, "n"),
+    ("max_tokens range", chat(max_tokens=0), 400, "max_tokens"),
+    ("presence range", chat(presence_penalty=3), 400, "presence_penalty"),
+    ("top_logprobs range", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top_logprobs without logprobs", chat(top_logprobs=2), 400, "top_logprobs"),
+    ("logit_bias key", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias value", chat(logit_bias={"1": 500}), 400, "logit_bias"),
+    ("logit_bias vocab", chat(logit_bias={"999999": 1}), 400, "logit_bias"),
+    ("stop type", chat(stop=5), 400, "stop"),
+    ("empty stop", chat(stop=[""]), 400, "stop"),
+    (
+        "stream_options without stream",
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    ("tool_choice without tools", chat(tool_choice="required"), 400, "tool_choice"),
+    (
+        "unknown named tool",
+        chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice.function.name",
+    ),
+    ("bad tool_choice", chat(tools=TOOLS, tool_choice="sometimes"), 400, "tool_choice"),
+    ("bad response_format", chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    (
+        "schema missing",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    ("two constraints", chat(guided_regex="a+", guided_choice=["a"]), 400, "guided_choice"),
+    ("guided_json not json", chat(guided_json="{nope"), 400, "guided_json"),
+    ("deprecated functions", chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("audio", chat(audio={"voice": "x"}), 400, "audio"),
+    ("beam search", chat(use_beam_search=True), 400, "use_beam_search"),
+    (
+        "tool args not json",
+        chat(
+            messages=[
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{x"},
+                        }
+                    ],
+                }
+            ]
+        ),
+        400,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    (
+        "template kwargs clash",
+        chat(chat_template_kwargs={"messages": []}),
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "both continue and generation",
+        chat(messages=[{"role": "assistant", "content": "a"}], continue_final_message=True),
+        200,
+        None,
+    ),
+    (
+        "image without media support",
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        ),
+        400,
+        "messages",
+    ),
+    (
+        "prompt too long",
+        chat(messages=[{"role": "user", "content": "word " * 400}]),
+        400,
+        "messages",
+    ),
+    ("max_tokens beyond context", chat(max_tokens=250), 400, "max_tokens"),
+    ("min_tokens above max", chat(max_tokens=3, min_tokens=5), 400, "min_tokens"),
+    ("unknown model", chat(model="nope"), 404, "model"),
+    ("bad rank header", chat(), 400, "x-data-parallel-rank"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "status", "param"), CHAT_CASES, ids=[c[0] for c in CHAT_CASES]
+)
+def test_chat_mistakes(
+    scripted: ScriptedEngine,
+    scripted_http: httpx.Client,
+    name: str,
+    body: dict[str, Any],
+    status: int,
+    param: str | None,
+) -> None:
+    headers = {"x-data-parallel-rank": "one"} if name == "bad rank header" else {}
+    response = scripted_http.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == status, response.text
+    if status == 200:
+        return
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+    if param is not None and status == 400:
+        assert param.split(".")[0].split("[")[0] in error["message"]
+
+
+COMPLETION_CASES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("missing prompt", {"model": SCRIPTED_MODEL}, "prompt"),
+    ("empty prompt list", completion(prompt=[]), "prompt"),
+    ("mixed batch", completion(prompt=["a", 1]), "prompt[1]"),
+    ("negative token", completion(prompt=[1, -2]), "prompt[1]"),
+    ("token out of vocab", completion(prompt=[10_000_000]), "prompt"),
+    ("nested empty", completion(prompt=[[1], []]), "prompt[1]"),
+    ("bool prompt", completion(prompt=[True]), "prompt[0]"),
+    ("prompt type", completion(prompt=5), "prompt"),
+    ("logprobs range", completion(logprobs=50), "logprobs"),
+    ("suffix", completion(suffix="x"), "suffix"),
+    ("best_of", completion(best_of=3), "best_of"),
+    ("echo with logprobs", completion(echo=True, logprobs=1), "echo"),
+    ("prompt too long", completion(prompt=[5] * 300), "prompt"),
+    ("batch prompt too long", completion(prompt=[[5], [5] * 300]), "prompt[1]"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "param"), COMPLETION_CASES, ids=[c[0] for c in COMPLETION_CASES]
+)
+def test_completion_mistakes(
+    scripted: ScriptedEngine,
+    scripted_http: httpx.Client,
+    name: str,
+    body: dict[str, Any],
+    param: str | None,
+) -> None:
+    response = scripted_http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{",
+        b"not json",
+        b"[]",
+        b'"a string"',
+        b"",
+        b'{"model": "scripted", "messages": [{"role": "user", "content": "\xff"}]}',
+    ],
+)
+def test_bad_bodies(scripted_http: httpx.Client, raw: bytes) -> None:
+    response = scripted_http.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_route_and_method(scripted_http: httpx.Client) -> None:
+    missing = scripted_http.get("/v1/nothing")
+    assert missing.status_code == 404
+    assert "error" in missing.json()
+    wrong = scripted_http.get("/v1/chat/completions")
+    assert wrong.status_code == 405
+    assert "error" in wrong.json()
