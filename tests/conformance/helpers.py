@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import zmq
 from tokenizers import Tokenizer
+from zmq.utils.monitor import recv_monitor_message
 
 from sidecar.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.support.engines import EngineUnderTest
@@ -59,6 +60,11 @@ def prompt_ids(tag: str, length: int) -> list[int]:
     """A prompt unique to ``tag``, so that no test hits blocks another test left in the cache."""
     rng = random.Random(f"{tag}:{length}")
     return [rng.choice(ORDINARY_IDS) for _ in range(length)]
+
+
+def fresh_prompt(length: int) -> list[int]:
+    """A prompt no earlier run can have cached: KV-event checks need blocks to be stored anew."""
+    return prompt_ids(uuid.uuid4().hex, length)
 
 
 def request_id(tag: str) -> str:
@@ -230,17 +236,36 @@ class KvEventListener:
         self._engine = engine
         self._poller = zmq.Poller()
         self._sockets: dict[Any, int] = {}
+        self._monitors: list[Any] = []
         for rank in range(engine.dp_size):
             sock = context.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt_string(zmq.SUBSCRIBE, "")
+            self._monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
             sock.connect(f"tcp://{engine.host}:{engine.kv_events_base_port + rank}")
             self._poller.register(sock, zmq.POLLIN)
             self._sockets[sock] = rank
         self.events: list[KvEvent] = []
         self.seqs: dict[int, list[int]] = {rank: [] for rank in range(engine.dp_size)}
 
+    def wait_connected(self, timeout: float) -> None:
+        """Block until every SUB has finished its ZMTP handshake with its publisher."""
+        deadline = time.monotonic() + timeout
+        for sock, monitor in zip(self._sockets, self._monitors, strict=True):
+            while True:
+                left = deadline - time.monotonic()
+                assert left > 0, "a KV-event publisher never completed the ZMQ handshake"
+                if monitor.poll(max(1, int(left * 1000))):
+                    event = recv_monitor_message(monitor)
+                    if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        break
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        self._monitors.clear()
+
     def close(self) -> None:
+        for monitor in self._monitors:
+            monitor.close(linger=0)
         for sock in self._sockets:
             sock.close(linger=0)
 
@@ -279,6 +304,16 @@ class KvEventListener:
         batch_rank, raw_events = decode_batch(payload)
         return [decode_event(raw, port_rank, batch_rank, seq) for raw in raw_events]
 
+    def chain(self, root: Any) -> list[KvEvent]:
+        """BlockStored events that extend the block ``root`` through parent links, in order."""
+        known = {root}
+        found: list[KvEvent] = []
+        for event in self.events:
+            if event.kind == "BlockStored" and event.parent_block_hash in known:
+                found.append(event)
+                known.update(event.block_hashes)
+        return found
+
     def stored(self, token_ids: Sequence[int]) -> list[KvEvent]:
         """BlockStored events whose tokens lie inside ``token_ids`` (this request's blocks)."""
         text = tuple(token_ids)
@@ -294,19 +329,22 @@ def _contains(haystack: tuple[int, ...], needle: tuple[int, ...]) -> bool:
     return any(haystack[i : i + width] == needle for i in range(len(haystack) - width + 1))
 
 
-SUBSCRIBE_SETTLE_S = 0.5
+CONNECT_TIMEOUT_S = 10.0
+# After the handshake the subscription still has to reach the publisher's I/O thread.
+SUBSCRIBE_SETTLE_S = 0.2
 
 
 @contextmanager
 def kv_listener(engine: EngineUnderTest) -> Iterator[KvEventListener]:
-    """Connect to every publisher and give the SUB handshakes time to finish before yielding.
+    """Connect to every publisher and wait until the subscriptions are live before yielding.
 
-    ZMQ drops messages published before a subscription reaches the publisher, so the settle
-    pause is what makes "no event on the other rank" mean something.
+    ZMQ drops whatever is published before a subscription reaches the publisher, so this wait is
+    what makes "no event on the other rank" and "every block was stored" mean something.
     """
     context: zmq.Context[Any] = zmq.Context.instance()
     listener = KvEventListener(engine, context)
     try:
+        listener.wait_connected(CONNECT_TIMEOUT_S)
         listener.pump(SUBSCRIBE_SETTLE_S)
         yield listener
     finally:
