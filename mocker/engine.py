@@ -143,6 +143,8 @@ class RankEngine:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
+        # The last prompts this rank accepted, so tests can see exactly what a client sent.
+        self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=32)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dead: RpcStatus | None = None
@@ -208,6 +210,7 @@ class RankEngine:
         params = req.kv_transfer_params or {}
         request.remote_prefill = bool(params.get("do_remote_prefill"))
         self.requests[req.request_id] = request
+        self.recent_prompts.append((req.request_id, req.prompt))
         self.counters.requests_received += 1
         if req.spec.max_tokens == 0:
             self._finish(request, Emitted(-1, "", None, Finish.LENGTH, None, False), count=False)

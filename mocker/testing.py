@@ -119,6 +119,13 @@ class MockEngineHandle:
         stats: RankStats = self.call(lambda: _snapshot(self.engine(rank)))
         return stats
 
+    def recent_prompts(self, rank: int) -> list[tuple[str, list[int]]]:
+        """(request id, expanded prompt ids) of the last requests ``rank`` accepted."""
+        prompts: list[tuple[str, list[int]]] = self.call(
+            lambda: [(rid, list(ids)) for rid, ids in self.engine(rank).recent_prompts]
+        )
+        return prompts
+
     def all_stats(self) -> dict[int, RankStats]:
         return {rank: self.stats(rank) for rank in self.ranks}
 
