@@ -371,7 +371,3 @@ def whitespace_bias(tokenizer: Tokenizer) -> dict[int, float]:
         if text and not text.strip():
             bias[token_id] = -100.0
     return bias
-
-
-def decoded_deltas(generation: Generation) -> list[str]:
-    return [message.outputs.text for message in generation.messages if message.outputs.text]

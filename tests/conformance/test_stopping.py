@@ -6,13 +6,13 @@ from typing import Any
 
 import grpc
 import pytest
+from tokenizers import Tokenizer
 
 from sidecar.proto.vllm import inference_pb2
 from tests.conformance.helpers import (
     EOS_TOKEN_ID,
     FinishReason,
     Generation,
-    decoded_deltas,
     make_request,
     prompt_ids,
     stream,
@@ -116,18 +116,19 @@ def test_min_new_tokens_defers_stop_token_ids(engine_channel: grpc.Channel) -> N
     assert unguarded.token_ids == [first]
 
 
-def stop_string_case(base: Generation) -> tuple[str, int]:
-    """A clean stop string that first occurs after the start of the text, and where."""
-    for piece in decoded_deltas(base)[1:]:
+def stop_string_case(base: Generation, tokenizer: Tokenizer) -> tuple[str, int]:
+    """A clean stop string (one token's text) first occurring after the text's start, and where."""
+    for token_id in base.token_ids[1:]:
+        piece = tokenizer.decode([token_id])
         where = base.text.find(piece)
         if len(piece.strip()) >= 2 and "\ufffd" not in piece and where > 0:
             return piece, where
     pytest.fail(f"no usable stop string in greedy output {base.text!r}")
 
 
-def test_stop_string_truncates_text(engine_channel: grpc.Channel) -> None:
+def test_stop_string_truncates_text(engine_channel: grpc.Channel, tokenizer: Tokenizer) -> None:
     base = baseline(engine_channel, "stop-string")
-    stop, where = stop_string_case(base)
+    stop, where = stop_string_case(base, tokenizer)
     result = run(
         engine_channel, "stop-string", Stopping(max_new_tokens=BASELINE_TOKENS, stop_strings=[stop])
     )
@@ -139,9 +140,9 @@ def test_stop_string_truncates_text(engine_channel: grpc.Channel) -> None:
     assert len(result.token_ids) < BASELINE_TOKENS
 
 
-def test_include_stop_strings_keeps_it(engine_channel: grpc.Channel) -> None:
+def test_include_stop_strings_keeps_it(engine_channel: grpc.Channel, tokenizer: Tokenizer) -> None:
     base = baseline(engine_channel, "stop-string")
-    stop, where = stop_string_case(base)
+    stop, where = stop_string_case(base, tokenizer)
     result = run(
         engine_channel,
         "stop-string",
