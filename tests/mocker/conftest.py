@@ -99,7 +99,7 @@ class Events:
     """SUB sockets on every rank's publisher; decodes batches as (rank, seq, events)."""
 
     def __init__(self, handle: MockEngineHandle) -> None:
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[Any] = zmq.Context.instance()
         self.sockets: dict[Any, int] = {}
         base = handle.config.kv_events_port
         assert base is not None

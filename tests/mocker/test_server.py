@@ -15,7 +15,7 @@ from tests.mocker.conftest import Client, engine, prompt, request
 
 
 def test_health_reports_every_service(mock: MockEngineHandle, client: Client) -> None:
-    health = health_pb2_grpc.HealthStub(client.channel)  # type: ignore[no-untyped-call]
+    health = health_pb2_grpc.HealthStub(client.channel)
     for service in ("", "vllm.Inference", "vllm.Control"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -87,7 +87,7 @@ def test_no_kv_sources_when_events_are_off() -> None:
             c.close()
 
 
-def slow_engine(**overrides: object):  # type: ignore[no-untyped-def]
+def slow_engine(**overrides: object):
     return engine(**{"speed": 1.0, "decode_step_seconds": 0.02, **overrides})
 
 
