@@ -1,0 +1,169 @@
+"""The per-rank engine: prefix-cache hits in TTFT, load in ITL, LRU eviction, preemption."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from mocker.testing import MockEngineHandle
+from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
+
+
+def ttft(client: Client, tokens: list[int], rank: int) -> float:
+    started = time.perf_counter()
+    stream = client.inference.GenerateStream(
+        request(tokens, max_new_tokens=1), metadata=(("x-data-parallel-rank", str(rank)),)
+    )
+    next(stream)  # prompt_info
+    next(stream)  # first token
+    elapsed = time.perf_counter() - started
+    list(stream)
+    return elapsed
+
+
+def test_prefix_cache_hits_show_up_in_ttft() -> None:
+    with engine(speed=1.0, prefill_seconds_per_token=0.0008, decode_step_seconds=0.001) as handle:
+        c = Client(handle.target)
+        try:
+            tokens = prompt(1, 256)
+            cold = ttft(c, tokens, 0)
+            warm = ttft(c, tokens, 0)
+            other_rank = ttft(c, tokens, 1)
+            stats = handle.stats(0)
+            assert stats.cached_tokens == (256 - 1) // BLOCK * BLOCK
+            assert cold > 0.15
+            assert warm < cold / 3
+            assert other_rank > 0.15, "rank 1 has its own cache"
+        finally:
+            c.close()
+
+
+def test_bypass_prefix_cache_recomputes() -> None:
+    with engine() as handle:
+        c = Client(handle.target)
+        try:
+            tokens = prompt(2, 64)
+            c.stream(request(tokens), rank=0)
+            bypass = request(tokens)
+            bypass.kv.bypass_prefix_cache = True
+            c.stream(bypass, rank=0)
+            assert handle.stats(0).cached_tokens == 0
+            c.stream(request(tokens), rank=0)
+            assert handle.stats(0).cached_tokens == 48
+        finally:
+            c.close()
+
+
+def per_token_seconds(handle: MockEngineHandle, concurrency: int) -> float:
+    durations: list[float] = []
+
+    def worker(seed: int) -> None:
+        c = Client(handle.target)
+        try:
+            stream = c.inference.GenerateStream(
+                request(prompt(seed, 8), max_new_tokens=10),
+                metadata=(("x-data-parallel-rank", "0"),),
+            )
+            next(stream)
+            next(stream)
+            started = time.perf_counter()
+            list(stream)
+            durations.append((time.perf_counter() - started) / 9)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return sum(durations) / len(durations)
+
+
+def test_decode_steps_slow_down_with_batch_size() -> None:
+    with engine(speed=1.0, decode_step_seconds=0.002, decode_seconds_per_sequence=0.002) as handle:
+        alone = per_token_seconds(handle, 1)
+        crowded = per_token_seconds(handle, 12)
+        assert alone < 0.015
+        assert crowded > 2 * alone
+
+
+def test_speed_factor_scales_time() -> None:
+    with engine(speed=4.0, prefill_seconds_per_token=0.0008, decode_step_seconds=0.001) as h:
+        c = Client(h.target)
+        try:
+            fast = ttft(c, prompt(3, 256), 0)
+            assert fast < 0.15
+        finally:
+            c.close()
+
+
+def test_lru_eviction_publishes_removals() -> None:
+    # 8 blocks per rank: a second 96-token prompt forces most of the first one out.
+    with engine(total_kv_blocks=16) as handle:
+        c = Client(handle.target)
+        listener = Events(handle)
+        try:
+            first, second = prompt(4, 96), prompt(5, 96)
+            c.stream(request(first, max_new_tokens=2), rank=0)
+            c.stream(request(second, max_new_tokens=2), rank=0)
+            listener.pump(0.3)
+            stored = listener.events(0, "BlockStored")
+            removed = listener.events(0, "BlockRemoved")
+            first_hashes = stored[0]["block_hashes"]
+            assert len(first_hashes) == 6
+            evicted = [h for event in removed for h in event["block_hashes"]]
+            # Released tail first, so the tail is evicted first and the head survives.
+            assert evicted == list(reversed(first_hashes[1:]))
+            before = handle.stats(0).cached_tokens
+            c.stream(request(first, max_new_tokens=2), rank=0)
+            assert handle.stats(0).cached_tokens - before == BLOCK
+            assert handle.stats(0).kv_blocks_free == 8
+        finally:
+            listener.close()
+            c.close()
+
+
+def test_running_out_of_blocks_preempts_and_still_finishes() -> None:
+    with engine(total_kv_blocks=12, speed=1.0, decode_step_seconds=0.001) as handle:
+        results: list[int] = []
+
+        def worker(seed: int) -> None:
+            c = Client(handle.target)
+            try:
+                messages = c.stream(request(prompt(seed, 40), max_new_tokens=30), rank=1)
+                results.append(messages[-1].outputs.finish_info.num_output_tokens)
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert results == [30, 30, 30]
+        assert handle.stats(1).preemptions > 0
+        handle.wait_idle()
+        assert handle.stats(1).leaked == 0
+
+
+def test_max_running_requests_bounds_the_batch() -> None:
+    with engine(max_running_requests=2, speed=1.0, decode_step_seconds=0.02) as handle:
+        streams = []
+        c = Client(handle.target)
+        try:
+            for seed in range(4):
+                stream = c.inference.GenerateStream(
+                    request(prompt(seed, 8), max_new_tokens=100),
+                    metadata=(("x-data-parallel-rank", "0"),),
+                )
+                next(stream)
+                streams.append(stream)
+            time.sleep(0.1)
+            stats = handle.stats(0)
+            assert stats.running == 2
+            assert stats.waiting == 2
+        finally:
+            for stream in streams:
+                stream.cancel()
+            c.close()
