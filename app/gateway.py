@@ -72,6 +72,7 @@ class Gateway:
             tool_call_parser=_parser(options.tool_call_parser, info.tool_call_parser, "tool call"),
             reasoning_parser=_parser(options.reasoning_parser, info.reasoning_parser, "reasoning"),
             image_placeholder=placeholder,
+            supports_images=info.supports_multimodal,
         )
         self.settings = settings
         self.models = ModelRegistry(
@@ -80,6 +81,8 @@ class Gateway:
             info.model_id,
             engine.list_loras if info.supports_lora else None,
         )
+        if media is not None:
+            media.configure(info)
         self.chat = ChatPreparer(self.tokenizer, self.template, settings, media)
         self.completions = CompletionPreparer(self.tokenizer)
         log.info(

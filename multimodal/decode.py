@@ -91,6 +91,8 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         sniffed = sniff_format(data)
         if sniffed is not None and sniffed not in limits.allowed_formats:
             raise ImageRefused(f"format {sniffed} is not allowed (allowed: {allowed})") from None
+        if sniffed is not None:
+            raise ImageRefused(f"corrupt {sniffed} header: Pillow cannot read it") from None
         raise ImageRefused(f"corrupt or unrecognised image data (allowed: {allowed})") from None
     except Image.DecompressionBombError as exc:
         raise ImageRefused(f"decompression bomb refused: {exc}") from None

@@ -12,7 +12,7 @@ from multimodal.expansion import ImageTokenFormula, LearnedTokenCounts, formula_
 from multimodal.fetch import ImageFetcher
 from multimodal.identity import url_identity
 from multimodal.types import ImageRef, MediaConfig
-from sidecar.types import MediaInput
+from sidecar.types import EngineInfo, MediaInput
 
 _DETAILS = frozenset({"auto", "low", "high"})
 
@@ -47,6 +47,10 @@ class MediaPreparer:
 
     def set_model(self, model_id: str) -> None:
         self._formula = formula_for(self.config, model_id)
+
+    def configure(self, info: EngineInfo) -> None:
+        """Adopt a discovered engine's model: it selects the token-count formula."""
+        self.set_model(info.model_id)
 
     @property
     def formula(self) -> ImageTokenFormula | None:

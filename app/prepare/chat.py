@@ -34,8 +34,9 @@ from app.schemas.requests import (
     ToolMessage,
     UserMessage,
 )
+from multimodal.errors import ImageError
 from multimodal.types import ImageRef
-from sidecar.types import MediaInput, OutputOptions, PreparedRequest, StructuredOutput
+from sidecar.types import Delta, MediaInput, OutputOptions, PreparedRequest, StructuredOutput
 
 # Conversations longer than this (characters) are rendered and tokenized off the event loop.
 OFFLOAD_CHARS = 16_384
@@ -57,6 +58,8 @@ class ChatSettings:
     tool_call_parser: str | None
     reasoning_parser: str | None
     image_placeholder: str | None
+    # Whether the engine advertises ``supports_multimodal``; image parts are refused if not.
+    supports_images: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,13 @@ class ChatPreparer:
             raise unsupported(
                 "messages", "contains image parts, which this gateway cannot serve yet"
             )
+        if converter.images and not self._settings.supports_images:
+            raise ApiError(
+                400,
+                f"The model `{req.model}` does not support image input.",
+                param="messages",
+                code="model_not_multimodal",
+            )
         extra = dict(req.chat_template_kwargs or {})
         clash = _RESERVED_KWARGS.intersection(extra)
         if clash:
@@ -263,7 +273,12 @@ class ChatPreparer:
                         f"{len(converter.images)} images",
                         "messages",
                     )
-            media = await self._media.prepare(converter.images)
+            try:
+                media = await self._media.prepare(converter.images)
+            except ImageError as exc:
+                raise ApiError(
+                    exc.status, exc.message, param="messages", code="invalid_image"
+                ) from None
 
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         stopping = stopping_params(
@@ -293,6 +308,12 @@ class ChatPreparer:
             rank=rank,
         )
         return PreparedChat(request=prepared, plan=plan, prompt_len=len(ids), top_logprobs=top)
+
+    def observe(self, prepared: PreparedChat, first: Delta | None) -> None:
+        """Report vLLM's expanded prompt length of an image request to the media hook."""
+        media = prepared.request.media
+        if media and self._media is not None and first is not None and first.prompt_tokens:
+            self._media.observe(media, prepared.prompt_len, first.prompt_tokens)
 
     def _plan(self, req: ChatCompletionRequest) -> tuple[OutputPlan, StructuredOutput | None]:
         settings = self._settings

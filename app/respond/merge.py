@@ -24,6 +24,11 @@ class Primed:
         self._first: Delta | None = first
         self._rest = rest
 
+    @property
+    def first(self) -> Delta | None:
+        """The primed delta, until it has been yielded."""
+        return self._first
+
     def __aiter__(self) -> Primed:
         return self
 

@@ -72,6 +72,7 @@ async def _serve(request: Request, started: float) -> Response:
         plan=prepared.plan,
     )
     deltas = await prime(gateway.engine.generate(prepared.request))
+    gateway.chat.observe(prepared, deltas.first)
     if req.stream:
         metrics = metrics_of(request)
 
