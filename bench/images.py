@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 
+import PIL
 from PIL import Image, ImageFilter
 
 from multimodal import ImageRef, MediaConfig, MediaPreparer
@@ -123,7 +124,7 @@ def main() -> None:
     jpegs = [photo_like_jpeg(seed) for seed in range(4)]
     print(
         f"image: {SIDE}x{SIDE} JPEG q90, {len(jpegs[0]) / 1024:.0f} KiB; "
-        f"cpus: {os.cpu_count()}; Pillow {Image.__version__}"
+        f"cpus: {os.cpu_count()}; Pillow {PIL.__version__}"
     )
     print(f"{'case':<34} {'images/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
     bench_sync(jpegs[0], args.seconds)
