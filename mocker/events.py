@@ -25,6 +25,7 @@ from mocker.config import EventFormat
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_REBIND_ATTEMPTS = 150
 MEDIUM_GPU = "GPU"
 
 
@@ -148,6 +149,16 @@ class KvEventPublisher:
         return self._seq
 
     def open(self) -> None:
+        try:
+            self._open()
+        except zmq.ZMQError:
+            for sock in (self._pub, self._replay):
+                if sock is not None:
+                    sock.close(linger=0)
+            self._pub = self._replay = None
+            raise
+
+    def _open(self) -> None:
         pub = self._context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
         pub.setsockopt(zmq.LINGER, 0)
@@ -178,11 +189,21 @@ class KvEventPublisher:
         self._replay = None
 
     async def restart(self) -> None:
-        """Close and reopen, forgetting the sequence and the replay buffer."""
+        """Close and reopen, forgetting the sequence and the replay buffer.
+
+        ZMQ releases a closed socket's port asynchronously, so rebinding retries briefly.
+        """
         await self.close()
         self._seq = 0
         self._buffer.clear()
-        self.open()
+        for attempt in range(_REBIND_ATTEMPTS):
+            try:
+                self.open()
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or attempt == _REBIND_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.02)
 
     def drop_next(self, batches: int) -> None:
         self._drop += batches
