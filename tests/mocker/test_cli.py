@@ -1,0 +1,60 @@
+"""The ``mock-engine`` subcommand and ``python -m mocker``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mocker.cli import config_from_args, register
+from tests.support.ports import free_port
+
+
+def test_register_maps_flags_onto_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        [
+            "mock-engine",
+            "--port", "6000",
+            "--dp-size", "4",
+            "--model", "m",
+            "--block-size", "32",
+            "--kv-events-port", "7000",
+            "--kv-replay-port", "7100",
+            "--speed", "0",
+            "--seed", "3",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert (config.port, config.dp_size, config.model, config.block_size) == (6000, 4, "m", 32)
+    assert (config.kv_events_port, config.kv_replay_port) == (7000, 7100)
+    assert (config.speed, config.seed) == (0.0, 3)
+    assert args.handler is not None
+
+
+def test_python_dash_m_serves_until_stopped() -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mocker", "--port", str(port), "--speed", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=20)
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 5
+            while True:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        process.terminate()
+        process.wait(10)
