@@ -16,6 +16,7 @@ from typing import Any
 from app import __version__
 from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from app.settings import GatewaySettings
+from multimodal.types import MediaConfig
 
 POLICIES = ("kv", "load", "round_robin", "engine")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -108,6 +109,57 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("mock_speed", d.mock_speed, float),
         help="bundled mock engine timing: 0 = zero latency, 1 = GPU-like (default: %(default)s)",
     )
+    m = d.media
+    a(
+        "--media-mode",
+        choices=("fetch", "passthrough"),
+        default=_env("media_mode", m.mode),
+        help="fetch: download, validate and hash images here; passthrough: vLLM fetches http(s) "
+        "URLs, identified by a hash of the URL (default: %(default)s)",
+    )
+    a(
+        "--image-allow-network",
+        action="append",
+        metavar="CIDR",
+        default=_env("image_allow_network", None, _networks),
+        help="a network image URLs may resolve to although it is loopback, private or "
+        "link-local (repeatable; env: comma-separated)",
+    )
+    a(
+        "--max-images",
+        type=int,
+        default=_env("max_images", m.max_images, int),
+        help="images per request (default: %(default)s)",
+    )
+    a(
+        "--max-image-bytes",
+        type=int,
+        default=_env("max_image_bytes", m.max_image_bytes, int),
+        help="bytes per image, fetched or inline (default: %(default)s)",
+    )
+    a(
+        "--image-fetch-timeout",
+        type=float,
+        default=_env("image_fetch_timeout", m.total_timeout, float),
+        help="seconds for one image fetch, redirects included (default: %(default)s)",
+    )
+
+
+def _networks(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _media_config(args: argparse.Namespace) -> MediaConfig:
+    try:
+        return MediaConfig(
+            mode=args.media_mode,
+            allowed_networks=tuple(args.image_allow_network or ()),
+            max_images=args.max_images,
+            max_image_bytes=args.max_image_bytes,
+            total_timeout=args.image_fetch_timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"invalid image options: {exc}") from None
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -125,6 +177,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         startup_timeout=args.startup_timeout,
         access_log=args.access_log,
         mock_speed=args.mock_speed,
+        media=_media_config(args),
     )
 
 

@@ -23,9 +23,12 @@ from app.errors import install_error_handlers
 from app.gateway import Engine, Gateway, ServingOptions
 from app.metrics import GatewayMetrics
 from app.prepare.media import MediaHook
+from app.prepare.tokenizer import TokenizerNotFound, locate_tokenizer
 from app.routes import chat, completions, models, ops
 from app.schemas.openapi import install_openapi
 from app.settings import GatewaySettings
+from multimodal import MediaPreparer
+from sidecar.errors import SidecarError
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +85,22 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            serving = engine
-            if serving is None:
-                serving = await _start_sidecar(settings, registry, options, stack)
-            app.state.gateway = await asyncio.to_thread(Gateway, serving, options, media)
+            try:
+                if settings.tokenizer is not None:
+                    # Fail before starting anything when the operator's path is wrong.
+                    locate_tokenizer(settings.tokenizer, "")
+                serving = engine
+                if serving is None:
+                    serving = await _start_sidecar(settings, registry, options, stack)
+                hook = media
+                if hook is None:
+                    preparer = MediaPreparer(settings.media)
+                    stack.push_async_callback(preparer.aclose)
+                    hook = preparer
+                app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+            except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
+                log.error("startup failed: %s", getattr(exc, "message", None) or exc)
+                raise
             try:
                 yield
             finally:

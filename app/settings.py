@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from multimodal.types import MediaConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,3 +24,5 @@ class GatewaySettings:
     access_log: bool = False
     # The embedded mock engine's timing: 0 = zero latency, 1 = GPU-like.
     mock_speed: float = 1.0
+    # Image fetching, validation and identity limits (``--media-mode`` and the image flags).
+    media: MediaConfig = field(default_factory=MediaConfig)

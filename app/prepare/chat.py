@@ -228,7 +228,8 @@ class ChatPreparer:
         if converter.images and not self._settings.supports_images:
             raise ApiError(
                 400,
-                f"The model `{req.model}` does not support image input.",
+                f"`messages` contains images, but the model `{req.model}` does not support "
+                "image input.",
                 param="messages",
                 code="model_not_multimodal",
             )

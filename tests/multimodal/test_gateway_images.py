@@ -20,7 +20,7 @@ import pytest
 from app.server import create_app
 from app.settings import GatewaySettings
 from multimodal import MediaConfig, MediaPreparer
-from multimodal.identity import pixel_identity
+from multimodal.identity import pixel_identity, url_identity
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conformance.helpers import kv_listener
@@ -242,6 +242,55 @@ def test_models_without_multimodal_support_refuse_images() -> None:
         response = chat(client, [data_uri(encode(noise(8, 8), "PNG"))], model=SCRIPTED_MODEL)
         assert response.status_code == 400
         error = response.json()["error"]
-        assert error["message"] == f"The model `{SCRIPTED_MODEL}` does not support image input."
+        assert error["message"] == (
+            f"`messages` contains images, but the model `{SCRIPTED_MODEL}` does not support "
+            "image input."
+        )
         assert error["code"] == "model_not_multimodal"
         assert chat(client, [], model=SCRIPTED_MODEL).status_code == 200
+
+
+def test_passthrough_mode_hands_urls_to_the_engine(
+    mock_vllm: EngineUnderTest, image_server: ImageServer
+) -> None:
+    picture = noise(280, 280, seed=41)
+    url = image_server.put("/passthrough.png", encode(picture, "PNG"), "image/png")
+    settings = GatewaySettings(
+        engine=mock_vllm.target,
+        tokenizer=str(mock_vllm.tokenizer_dir),
+        media=MediaConfig(mode="passthrough"),
+    )
+    with (
+        serve_app(create_app(settings)) as base,
+        httpx.Client(base_url=base, timeout=60) as client,
+        kv_listener(mock_vllm) as events,
+    ):
+        text_tokens = chat(client, [], text="x " * 40).json()["usage"]["prompt_tokens"]
+        response = chat(client, [url], text="x " * 40)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == text_tokens + mock_tokens(280, 280)
+        expected = url_identity(url)
+        events.wait_for(
+            lambda found: any(
+                expected in (keys or ())
+                for event in found
+                if event.kind == "BlockStored"
+                for keys in event.extra_keys or ()
+            )
+        )
+    # The engine fetched the image itself; the gateway never did.
+    assert image_server.hits["/passthrough.png"] == 1
+
+
+def test_cli_image_flags_reach_the_media_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import build_parser, settings_from_args
+
+    monkeypatch.setenv("RANKGATE_IMAGE_ALLOW_NETWORK", "10.0.0.0/8, 127.0.0.0/8")
+    args = build_parser().parse_args(
+        ["serve", "--media-mode", "passthrough", "--max-images", "3", "--max-image-bytes", "999"]
+    )
+    media = settings_from_args(args).media
+    assert (media.mode, media.max_images, media.max_image_bytes) == ("passthrough", 3, 999)
+    assert media.allowed_networks == ("10.0.0.0/8", "127.0.0.0/8")
+    with pytest.raises(SystemExit, match="invalid image options: max_images must be > 0"):
+        settings_from_args(build_parser().parse_args(["serve", "--max-images", "0"]))
