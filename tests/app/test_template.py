@@ -29,7 +29,7 @@ TOOLS = [
         },
     }
 ]
-TOOL_TURN = [
+TOOL_TURN: list[dict[str, Any]] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Zürich?"},
     {
@@ -45,13 +45,13 @@ TOOL_TURN = [
     },
     {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"},
 ]
-PLAIN = [
+PLAIN: list[dict[str, Any]] = [
     {"role": "system", "content": "  You are terse.  "},
     {"role": "user", "content": "Hi <b>there</b> & welcome"},
     {"role": "assistant", "content": "Hello!"},
     {"role": "user", "content": "Count to 3."},
 ]
-PARTS = [
+PARTS: list[dict[str, Any]] = [
     {"role": "system", "content": "sys"},
     {
         "role": "user",
@@ -66,7 +66,12 @@ CASES: list[tuple[str, str, list[dict[str, Any]], dict[str, Any]]] = [
     ("qwen plain", "qwen_tools.jinja", PLAIN, {}),
     ("qwen no generation prompt", "qwen_tools.jinja", PLAIN, {"add_generation_prompt": False}),
     ("llama3 plain", "llama3.jinja", PLAIN, {}),
-    ("llama3 tools and kwargs", "llama3.jinja", TOOL_TURN, {"tools": TOOLS, "date_string": "1 Jan 2025"}),
+    (
+        "llama3 tools and kwargs",
+        "llama3.jinja",
+        TOOL_TURN,
+        {"tools": TOOLS, "date_string": "1 Jan 2025"},
+    ),
     (
         "llama3 continue",
         "llama3.jinja",
@@ -92,7 +97,7 @@ CASES: list[tuple[str, str, list[dict[str, Any]], dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def hf() -> PreTrainedTokenizerFast:
+def hf() -> Any:
     return PreTrainedTokenizerFast.from_pretrained(str(TINY_TOKENIZER))
 
 
@@ -108,9 +113,11 @@ def _source(name: str, ours: TextTokenizer) -> str:
     return (TEMPLATES / name).read_text()
 
 
-@pytest.mark.parametrize(("name", "template", "messages", "options"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "template", "messages", "options"), CASES, ids=[c[0] for c in CASES]
+)
 def test_matches_transformers(
-    hf: PreTrainedTokenizerFast,
+    hf: Any,
     ours: TextTokenizer,
     name: str,
     template: str,
@@ -156,7 +163,7 @@ def test_matches_transformers(
     assert ours.encode(rendered, add_special_tokens=False) == list(expected_ids)
 
 
-def test_raise_exception_is_a_render_error(hf: PreTrainedTokenizerFast, ours: TextTokenizer) -> None:
+def test_raise_exception_is_a_render_error(hf: Any, ours: TextTokenizer) -> None:
     source = (TEMPLATES / "llama3.jinja").read_text()
     bad = [{"role": "wizard", "content": "x"}]
     with pytest.raises(jinja2.TemplateError, match="Unknown role: wizard"):

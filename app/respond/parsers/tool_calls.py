@@ -39,12 +39,15 @@ def parse_call(body: str) -> ParsedCall | None:
 
 
 class HermesToolParser:
-    __slots__ = ("_calls", "_held", "_inside")
+    __slots__ = ("_calls", "_held", "_inside", "_space")
 
     def __init__(self) -> None:
         self._inside = False
         self._held = ""
         self._calls = 0
+        # Whitespace after a call, held until real text follows (then it is content) or
+        # another call or the end does (then it was layout and is dropped).
+        self._space = ""
 
     @property
     def calls(self) -> int:
@@ -60,10 +63,11 @@ class HermesToolParser:
                 at = buf.find(OPEN)
                 if at < 0:
                     keep = _partial_suffix(buf, OPEN)
-                    content.append(buf[: len(buf) - keep])
+                    self._emit(buf[: len(buf) - keep], content)
                     self._held = buf[len(buf) - keep :]
                     break
-                content.append(buf[:at])
+                self._emit(buf[:at], content)
+                self._space = ""
                 buf = buf[at + len(OPEN) :]
                 self._inside = True
                 continue
@@ -73,7 +77,7 @@ class HermesToolParser:
                 break
             self._close(buf[:at], content, calls, closed=True)
             buf = buf[at + len(CLOSE) :]
-        return self._trim("".join(content)), calls
+        return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         held, self._held = self._held, ""
@@ -82,8 +86,19 @@ class HermesToolParser:
         if self._inside:
             self._close(held, content, calls, closed=False)
         else:
-            content.append(held)
-        return self._trim("".join(content)), calls
+            self._emit(held, content)
+        self._space = ""
+        return "".join(content), calls
+
+    def _emit(self, text: str, content: list[str]) -> None:
+        if not text:
+            return
+        if self._calls:
+            if not text.strip():
+                self._space += text
+                return
+            text, self._space = self._space + text, ""
+        content.append(text)
 
     def _close(
         self, body: str, content: list[str], calls: list[ParsedCall], *, closed: bool
@@ -95,9 +110,3 @@ class HermesToolParser:
             return
         self._calls += 1
         calls.append(call)
-
-    def _trim(self, content: str) -> str:
-        # Whitespace between or after calls is layout, not an answer.
-        if self._calls and not content.strip():
-            return ""
-        return content
