@@ -34,3 +34,15 @@ def kv_sources(
         control_pb2.GetKvEventSourcesRequest(), timeout=helpers.RPC_TIMEOUT_S
     )
     return list(reply.sources)
+
+
+@pytest.fixture(scope="session")
+def warm_engine(engine_channel: grpc.Channel, engine: EngineUnderTest) -> None:
+    """One short request per rank, so timing-sensitive tests do not meet a cold first request.
+
+    Real vLLM's first stream after startup delivers its first token only after about a second,
+    long enough for a whole generation to finish before the client can abort it.
+    """
+    for rank in range(engine.dp_size):
+        request = helpers.make_request(helpers.fresh_prompt(8), tag="warm-up", max_new_tokens=2)
+        helpers.stream(engine_channel, request, rank=rank)

@@ -22,7 +22,7 @@ from tests.conformance.helpers import (
 )
 from tests.support.engines import EngineUnderTest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("warm_engine")]
 
 MAX_MODEL_LEN = 512
 # The chain must stay still this long before the engine counts as no longer generating.
