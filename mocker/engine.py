@@ -358,11 +358,13 @@ class RankEngine:
     def _apply(self, batch: list[tuple[EngineRequest, int]]) -> None:
         self.counters.steps += 1
         now = time.monotonic()
+        size = self.config.block_size
         for request, take in batch:
             if request.state is not State.RUNNING:
                 continue
             request.num_computed += take
-            self._commit_full_blocks(request)
+            if request.num_computed // size > request.num_committed:
+                self._commit_full_blocks(request)
             if request.num_computed < len(request.tokens):
                 continue
             emitted = request.sequence.next_token()

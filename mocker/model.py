@@ -38,6 +38,15 @@ class Processing:
     logit_bias: Mapping[int, float]
     allowed: frozenset[int] | None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing reshaping the distribution: the top raw rank always wins."""
+        return (
+            (self.temperature <= 0.0 or self.top_k == 1)
+            and not self.logit_bias
+            and self.allowed is None
+        )
+
 
 class TokenModel:
     """Ranks, logprobs and sampling for one vocabulary; built once per server."""
@@ -77,6 +86,15 @@ class TokenModel:
 
     def raw_logprob(self, rank: int) -> float:
         return -SLOPE * math.log(rank) - self._log_z
+
+    def greedy(self, ctx: int, masked: frozenset[int]) -> int:
+        """The most likely token that is not masked (the hot path of greedy decoding)."""
+        rank = 1
+        token = self.token_at(ctx, 1)
+        while token in masked and rank < self.vocab_size:
+            rank += 1
+            token = self.token_at(ctx, rank)
+        return token
 
     def sample(
         self, ctx: int, processing: Processing, masked: frozenset[int], rng: random.Random

@@ -17,6 +17,8 @@ from enum import IntEnum
 from mocker.model import Processing, TokenModel
 from mocker.vocab import TextStream, Vocabulary
 
+_NOTHING: frozenset[int] = frozenset()
+
 
 class Finish(IntEnum):
     """Values match ``FinishInfo.FinishReason`` on the wire."""
@@ -156,9 +158,11 @@ class Sequence:
             and ((ctx >> 11) & 0xFFFFF) / 0x100000 < spec.eos_probability
         ):
             return eos
-        masked: frozenset[int] = frozenset()
+        masked: frozenset[int] = _NOTHING
         if not may_stop:
             masked = spec.stop_token_ids if spec.ignore_eos else spec.stop_token_ids | {eos}
+        if spec.processing.plain_greedy:
+            return self.model.greedy(ctx, masked)
         if self._rng is None:
             self._rng = random.Random(spec.sample_seed + step.to_bytes(4, "little"))
         return self.model.sample(ctx, spec.processing, masked, self._rng)

@@ -38,6 +38,8 @@ _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
+    ("grpc.optimization_target", "throughput"),
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
@@ -177,9 +179,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         finally:
             if not handle.outbox.finished:
                 engine.abort(handle.request_id)
-        return inference_pb2.GenerateResponse(
-            prompt_info=_prompt_info(handle), outputs=_sequence_output(handle, collected)
-        )
+        response = inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle))
+        _fill_output(response.outputs, handle, collected)
+        return response
 
     async def GenerateStream(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -196,7 +198,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     items = await outbox.take()
                 except RpcStatus as status:
                     await context.abort(status.code, status.message)
-                yield inference_pb2.GenerateResponse(outputs=_sequence_output(handle, items))
+                yield _delta(handle, items)
                 if items[-1].finish is not Finish.NOT_FINISHED:
                     return
         finally:
@@ -220,12 +222,28 @@ def _prompt_info(handle: EngineRequest) -> inference_pb2.PromptInfo:
     return info
 
 
-def _sequence_output(handle: EngineRequest, items: list[Emitted]) -> inference_pb2.SequenceOutput:
+def _delta(handle: EngineRequest, items: list[Emitted]) -> inference_pb2.GenerateResponse:
+    """One streamed message: everything produced since the client's last read."""
+    response = inference_pb2.GenerateResponse()
+    _fill_output(response.outputs, handle, items)
+    return response
+
+
+def _fill_output(
+    out: inference_pb2.SequenceOutput, handle: EngineRequest, items: list[Emitted]
+) -> None:
     shape = handle.req.shape
-    tokens = [item.token_id for item in items if item.token_id >= 0]
-    out = inference_pb2.SequenceOutput(num_tokens=len(tokens))
+    if len(items) == 1:
+        last = items[0]
+        tokens = [last.token_id] if last.token_id >= 0 else []
+        text = last.text
+    else:
+        last = items[-1]
+        tokens = [item.token_id for item in items if item.token_id >= 0]
+        text = "".join(item.text for item in items)
+    out.num_tokens = len(tokens)
     if shape.output_text:
-        out.text = "".join(item.text for item in items) if len(items) > 1 else items[0].text
+        out.text = text
     if shape.output_token_ids:
         out.token_ids.extend(tokens)
     if shape.output_logprobs:
@@ -238,7 +256,6 @@ def _sequence_output(handle: EngineRequest, items: list[Emitted]) -> inference_p
             entry = out.candidate_tokens.add()
             for token_id, logprob, rank in info.candidates:
                 entry.tokens.add(id=token_id, logprob=logprob, rank=rank)
-    last = items[-1]
     if last.finish is not Finish.NOT_FINISHED:
         finish = out.finish_info
         finish.num_output_tokens = handle.sequence.num_tokens
@@ -251,7 +268,6 @@ def _sequence_output(handle: EngineRequest, items: list[Emitted]) -> inference_p
             finish.stop_token_id = last.stop_reason
         if handle.kv_transfer_out is not None:
             finish.kv_transfer_params.update(handle.kv_transfer_out)
-    return out
 
 
 _UNIMPLEMENTED = (
