@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from app import __version__
 from app.errors import install_error_handlers
+from app.fastpath import FastPath
 from app.gateway import Engine, Gateway, ServingOptions
 from app.metrics import GatewayMetrics
 from app.prepare.media import MediaHook
@@ -119,6 +120,13 @@ def create_app(
     app.state.metrics = GatewayMetrics(registry)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
+    app.add_middleware(
+        FastPath,
+        routes={
+            "/v1/chat/completions": chat.create_chat_completion,
+            "/v1/completions": completions.create_completion,
+        },
+    )
     for module in (chat, completions, models, ops):
         app.include_router(module.router)
     install_openapi(app)

@@ -5,21 +5,20 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.errors import status_of
 from app.respond.complete import chat_completion
 from app.respond.context import ResponseContext
 from app.respond.logprobs import LogprobFormatter
 from app.respond.merge import close_stream, prime
+from app.respond.sse import EventStreamResponse
 from app.respond.stream import chat_events, guarded
 from app.routes.common import decode_body, gateway_of, metrics_of, new_id, pinned_rank
 from app.schemas.openapi import operation
 from app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
 
 router = APIRouter()
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post(
@@ -36,7 +35,7 @@ async def create_chat_completion(request: Request) -> Response:
     except Exception as exc:
         metrics.done("chat", status_of(exc), time.perf_counter() - started)
         raise
-    if not isinstance(response, StreamingResponse):
+    if not isinstance(response, EventStreamResponse):
         metrics.done("chat", response.status_code, time.perf_counter() - started)
     return response
 
@@ -79,11 +78,7 @@ async def _serve(request: Request, started: float) -> Response:
         def done(status: int) -> None:
             metrics.done("chat", status, time.perf_counter() - started)
 
-        return StreamingResponse(
-            guarded(chat_events(ctx, deltas), deltas, done),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+        return EventStreamResponse(guarded(chat_events(ctx, deltas), deltas, done))
     try:
         body = await chat_completion(ctx, deltas)
     finally:

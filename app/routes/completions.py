@@ -6,13 +6,14 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.errors import status_of
 from app.respond.complete import completion
 from app.respond.context import ResponseContext
 from app.respond.logprobs import LogprobFormatter
 from app.respond.merge import close_stream, merged, prime
+from app.respond.sse import EventStreamResponse
 from app.respond.stream import completion_events, guarded
 from app.routes.common import decode_body, gateway_of, metrics_of, new_id, pinned_rank
 from app.schemas.openapi import operation
@@ -20,8 +21,6 @@ from app.schemas.requests import COMPLETION_DECODER, CompletionRequest
 from sidecar.types import Delta
 
 router = APIRouter()
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post(
@@ -38,7 +37,7 @@ async def create_completion(request: Request) -> Response:
     except Exception as exc:
         metrics.done("completions", status_of(exc), time.perf_counter() - started)
         raise
-    if not isinstance(response, StreamingResponse):
+    if not isinstance(response, EventStreamResponse):
         metrics.done("completions", response.status_code, time.perf_counter() - started)
     return response
 
@@ -86,11 +85,7 @@ async def _serve(request: Request, started: float) -> Response:
         def done(status: int) -> None:
             metrics.done("completions", status, time.perf_counter() - started)
 
-        return StreamingResponse(
-            guarded(completion_events(ctx, deltas), deltas, done),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+        return EventStreamResponse(guarded(completion_events(ctx, deltas), deltas, done))
     try:
         body = await completion(ctx, deltas)
     finally:
