@@ -70,60 +70,56 @@ class RequestEncoder:
         """
         if request.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {request.n}")
+        sampling = request.sampling
+        seed = sampling.seed
+        if seed is not None and not -_INT64_MAX - 1 <= seed <= _INT64_MAX:
+            raise InvalidRequest(f"seed {seed} is outside the 64-bit signed range")
         try:
-            fields = self._shared_fields(request)
-            sampling = request.sampling
-            seed = sampling.seed
-            if seed is not None and not -_INT64_MAX - 1 <= seed <= _INT64_MAX:
-                raise InvalidRequest(f"seed {seed} is outside the 64-bit signed range")
-            messages = []
-            for choice in range(request.n):
+            base = self._base(request)
+            messages = [base]
+            for _ in range(1, request.n):
+                copy = pb.GenerateRequest()
+                copy.CopyFrom(base)
+                messages.append(copy)
+            for choice, message in enumerate(messages):
+                message.request_id = f"{request.request_id}-{choice}"
                 choice_seed = None if seed is None else _wrap_int64(seed + choice)
-                messages.append(
-                    pb.GenerateRequest(
-                        request_id=f"{request.request_id}-{choice}",
-                        sampling=_sampling(
-                            sampling.top_k, sampling.top_p, sampling.min_p, choice_seed
-                        ),
-                        **fields,
-                    )
+                message.sampling.CopyFrom(
+                    _sampling(sampling.top_k, sampling.top_p, sampling.min_p, choice_seed)
                 )
             return messages
         except (ValueError, TypeError, OverflowError) as error:
             raise InvalidRequest(f"request cannot be encoded for the engine: {error}") from None
 
-    def _shared_fields(self, request: PreparedRequest) -> dict[str, Any]:
-        fields: dict[str, Any] = {
-            "model": self._model,
-            "temperature": request.sampling.temperature,
-            "stopping": _stopping(request.stopping),
-            "response": _response(request.output),
-        }
+    def _base(self, request: PreparedRequest) -> pb.GenerateRequest:
+        """Everything the choices share. The prompt is written into the message in place:
+        building a ``TokenIds`` first would copy every token id twice."""
+        message = pb.GenerateRequest(
+            model=self._model,
+            temperature=request.sampling.temperature,
+            stopping=_stopping(request.stopping),
+            response=_response(request.output),
+            priority=request.priority,
+            lora_name=request.lora_name or "",
+        )
         if request.prompt_token_ids:
-            fields["token_ids"] = pb.TokenIds(ids=request.prompt_token_ids)
+            message.token_ids.ids.extend(request.prompt_token_ids)
         elif request.media:
             raise InvalidRequest("images require a token-id prompt")
         elif request.prompt_text:
-            fields["text"] = request.prompt_text
+            message.text = request.prompt_text
         else:
             raise InvalidRequest("the prompt is empty")
         decoding = _decoding(request)
         if decoding is not None:
-            fields["decoding"] = decoding
-        if request.cache_salt or request.kv_transfer_params:
-            kv = pb.KVCacheParameters()
-            if request.cache_salt:
-                kv.cache_salt = tagged_salt(request.cache_salt)
-            if request.kv_transfer_params:
-                encode_transfer_params(kv.kv_transfer_params, request.kv_transfer_params)
-            fields["kv"] = kv
-        if request.priority:
-            fields["priority"] = request.priority
-        if request.lora_name:
-            fields["lora_name"] = request.lora_name
+            message.decoding.CopyFrom(decoding)
+        if request.cache_salt:
+            message.kv.cache_salt = tagged_salt(request.cache_salt)
+        if request.kv_transfer_params:
+            encode_transfer_params(message.kv.kv_transfer_params, request.kv_transfer_params)
         if request.media:
-            fields["media"] = [_media(item) for item in request.media]
-        return fields
+            message.media.extend(_media(item) for item in request.media)
+        return message
 
 
 def _wrap_int64(value: int) -> int:

@@ -309,19 +309,21 @@ class Sidecar:
             for choice, message in enumerate(messages):
                 legs.append(self._launch(request, choice, message, want_logprobs, handoff))
             if len(legs) == 1 and not handoff:
-                # The common case reads in the consumer's own task: no extra task per token.
+                # The common case reads in the consumer's own task: no extra task per token,
+                # and the call's own iterator, the cheapest way grpc.aio hands out messages.
                 leg = legs[0]
+                responses = leg.call.__aiter__()
                 while True:
                     try:
-                        response = await leg.call.read()
+                        response = await anext(responses)
+                    except StopAsyncIteration:
+                        raise self._truncated(leg) from None
                     except grpc.aio.AioRpcError as error:
                         raise self._failure(leg, error) from None
                     except asyncio.CancelledError:
                         if self._preempted(leg):
                             raise self._shutdown_error() from None
                         raise
-                    if response is _EOF:
-                        raise self._truncated(leg)
                     delta = self._on_response(leg, response)
                     if delta is not None:
                         yield delta
