@@ -42,7 +42,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     policy: PolicyName = "kv"
     # Cost weights, in prompt-token units (Dynamo's defaults: both 1).
     prefill_weight: float = 1.0
-    decode_weight: float = 1.0
+    decode_weight: float = 0.1
     # Share of a block's prefill an offloaded (CPU/disk) copy saves.
     offloaded_hit_weight: float = 0.5
     # In-flight requests a rank may run above the least busy one before it is skipped.

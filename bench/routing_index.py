@@ -1,0 +1,213 @@
+"""KV-event ingestion rate and routing decision time with a large index.
+
+1. Ingestion: vLLM-format batches (array envelope, map events, 16-token blocks chained by
+   parent) are published on real ZMQ PUB sockets, one per rank; the clock stops when the
+   router's intake thread has applied the last one. Reported as events/s and blocks/s.
+2. Decisions: with ``--blocks`` indexed blocks per rank, ``KvRouter.route`` + ticket release
+   for prompts that share a prefix with some ranks; p50/p99 per decision, hashing included.
+3. The block-hash mix: CPython's tuple hash (what the router uses) against blake2b.
+
+    PYTHONPATH=. .venv/bin/python bench/routing_index.py [--ranks 4] [--blocks 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import hashlib
+import random
+import statistics
+import time
+
+from prometheus_client import CollectorRegistry
+
+from sidecar.routing.hashing import prompt_keys
+from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from sidecar.types import EngineInfo, KvEventSource, RankCapacity
+from tests.routing.conftest import prepared
+from tests.routing.publisher import TestPublisher, stored
+
+BLOCK = 16
+BLOCKS_PER_EVENT = 8
+EVENTS_PER_BATCH = 32
+DOC_BLOCKS = 64
+
+
+def _info(ranks: int, blocks: int, sources: list[KvEventSource]) -> EngineInfo:
+    return EngineInfo(
+        model_id="bench",
+        served_model_name="bench",
+        aliases=(),
+        engine_version="0.32.0",
+        instance_id="bench",
+        max_model_len=32768,
+        block_size=BLOCK,
+        dp_size=ranks,
+        ranks=tuple(range(ranks)),
+        capacity=tuple(RankCapacity(r, blocks, 256) for r in range(ranks)),
+        max_batched_tokens=8192,
+        supports_text_input=True,
+        supports_lora=False,
+        supports_multimodal=False,
+        reasoning_parser="",
+        tool_call_parser="",
+        kv_event_sources=tuple(sources),
+    )
+
+
+def _documents(rng: random.Random, count: int) -> list[list[int]]:
+    return [[rng.randrange(100, 50000) for _ in range(DOC_BLOCKS * BLOCK)] for _ in range(count)]
+
+
+def _batches(rank: int, docs: list[list[int]]) -> list[list[dict[str, object]]]:
+    """Every document as chained BlockStored events, grouped into batches."""
+    events: list[dict[str, object]] = []
+    ident = rank << 40
+    for doc in docs:
+        parent: int | None = None
+        for start in range(0, DOC_BLOCKS, BLOCKS_PER_EVENT):
+            hashes = list(range(ident + start, ident + start + BLOCKS_PER_EVENT))
+            tokens = doc[start * BLOCK : (start + BLOCKS_PER_EVENT) * BLOCK]
+            events.append(stored(hashes, tokens, parent=parent, block_size=BLOCK))
+            parent = hashes[-1]
+        ident += DOC_BLOCKS
+    return [events[i : i + EVENTS_PER_BATCH] for i in range(0, len(events), EVENTS_PER_BATCH)]
+
+
+async def _ingest(args: argparse.Namespace) -> None:
+    rng = random.Random(1)
+    docs_per_rank = args.blocks // DOC_BLOCKS
+    shared = _documents(rng, docs_per_rank // 2)
+    publishers = [TestPublisher(rank, replay=False) for rank in range(args.ranks)]
+    registry = CollectorRegistry()
+    router = build_router(RoutingConfig(pending_ttl=0), registry)
+    assert isinstance(router, KvRouter)
+    sources = [KvEventSource(p.rank, p.endpoint, None, p.topic) for p in publishers]
+    router.configure(_info(args.ranks, args.blocks + 1024, sources))
+    await router.start()
+    for publisher in publishers:
+        await asyncio.to_thread(publisher.wait_subscribed)
+
+    # Each rank holds half of the shared documents (overlapping ranks) plus its own.
+    docs = []
+    for rank in range(args.ranks):
+        mine = shared[rank * len(shared) // (2 * args.ranks) :][: len(shared) // 2]
+        docs.append(mine + _documents(rng, docs_per_rank - len(mine)))
+    batches = [_batches(rank, docs[rank]) for rank in range(args.ranks)]
+    total_events = sum(len(b) for per_rank in batches for b in per_rank)
+    total_batches = sum(len(per_rank) for per_rank in batches)
+
+    def applied() -> float:
+        return sum(
+            registry.get_sample_value(
+                "rankgate_kv_event_batches_total", {"rank": str(r), "origin": "live"}
+            )
+            or 0.0
+            for r in range(args.ranks)
+        )
+
+    payload_start = time.perf_counter()
+    for index in range(max(len(b) for b in batches)):
+        for rank, publisher in enumerate(publishers):
+            if index < len(batches[rank]):
+                publisher.publish(batches[rank][index])
+    published = time.perf_counter() - payload_start
+    while applied() < total_batches:  # noqa: ASYNC110 - the counter is the only signal
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - payload_start
+    indexed = [router.events.size(slot) if router.events else 0 for slot in range(args.ranks)]
+    blocks = total_events * BLOCKS_PER_EVENT
+    print(f"ingestion: {args.ranks} ranks, {total_batches} batches, {total_events} events")
+    print(
+        f"  {total_events / elapsed:,.0f} events/s  {blocks / elapsed:,.0f} blocks/s  "
+        f"({elapsed:.2f}s; publishing alone {published:.2f}s)"
+    )
+    print(f"  indexed blocks per rank: {indexed}")
+
+    # Decisions: half the prompts extend a document some ranks hold, half are new.
+    prompts = []
+    for n in range(args.decisions):
+        rank_docs = docs[n % args.ranks]
+        if n % 2 == 0:
+            doc = rank_docs[rng.randrange(len(rank_docs))]
+            cut = rng.randrange(8, DOC_BLOCKS) * BLOCK
+            prompt = doc[:cut] + [rng.randrange(100, 50000) for _ in range(args.tail)]
+        else:
+            prompt = [rng.randrange(100, 50000) for _ in range(args.prompt_tokens)]
+        prompts.append(prepared(prompt, f"d{n}"))
+    times: list[float] = []
+    cpu: list[float] = []
+    hits = 0
+    for request in prompts:
+        started = time.perf_counter_ns()
+        started_cpu = time.thread_time_ns()
+        ticket = router.route(request)
+        ticket.finished()
+        cpu.append((time.thread_time_ns() - started_cpu) / 1000)
+        times.append((time.perf_counter_ns() - started) / 1000)
+        hits += ticket.decision.cached_tokens > 0
+    times.sort()
+    cpu.sort()
+    load = await asyncio.to_thread(_loadavg)
+    mean_tokens = statistics.fmean(len(p.prompt_token_ids) for p in prompts)
+    print(
+        f"decisions: {len(times)} prompts (mean {mean_tokens:.0f} tokens, {hits} with hits), "
+        f"{args.blocks:,} blocks indexed per rank; 1-min load average {load}"
+    )
+    for label, values in (("wall", times), ("thread CPU", cpu)):
+        print(
+            f"  {label:<10} p50 {values[len(values) // 2]:6.0f} us  "
+            f"p99 {values[int(len(values) * 0.99)]:6.0f} us  "
+            f"mean {statistics.fmean(values):6.0f} us"
+        )
+    await router.close()
+    for publisher in publishers:
+        publisher.close()
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
+
+
+def _hash_mix(tokens: int, repeat: int) -> None:
+    rng = random.Random(2)
+    prompt = tuple(rng.randrange(50000) for _ in range(tokens))
+
+    def blake() -> None:
+        packed = memoryview(array.array("I", prompt).tobytes())
+        digest = hashlib.blake2b(digest_size=8)
+        for start in range(0, len(packed) - BLOCK * 4 + 1, BLOCK * 4):
+            digest.update(packed[start : start + BLOCK * 4])
+            digest.copy().digest()
+
+    for name, run in (
+        ("tuple hash (used)", lambda: prompt_keys(prompt, BLOCK)),
+        ("blake2b", blake),
+    ):
+        started = time.perf_counter()
+        for _ in range(repeat):
+            run()
+        per = (time.perf_counter() - started) / repeat * 1e6
+        print(f"  {name:<18} {per:8.0f} us per {tokens}-token prompt ({tokens // BLOCK} blocks)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=100_000, help="indexed blocks per rank")
+    parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--tail", type=int, default=200)
+    args = parser.parse_args()
+    asyncio.run(_ingest(args))
+    print("block-hash mix:")
+    _hash_mix(2048, 200)
+
+
+if __name__ == "__main__":
+    main()
