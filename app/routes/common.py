@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -60,3 +62,28 @@ def pinned_rank(request: Request) -> int | None:
     if not text.isdigit():
         raise invalid(f"header '{RANK_HEADER}' must be a non-negative integer", RANK_HEADER)
     return int(text)
+
+
+async def _disconnected(request: Request, task: asyncio.Task[Any]) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; if the client hangs up first, cancel it (dropping the engine streams
+    it reads) and return None, as vLLM aborts a request whose client is gone."""
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(_disconnected(request, task))
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            task.uncancel()
+            return None
+        raise
+    finally:
+        watcher.cancel()

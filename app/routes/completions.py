@@ -15,7 +15,14 @@ from app.respond.logprobs import LogprobFormatter
 from app.respond.merge import close_stream, merged, prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import completion_events, guarded
-from app.routes.common import decode_body, gateway_of, metrics_of, new_id, pinned_rank
+from app.routes.common import (
+    decode_body,
+    gateway_of,
+    metrics_of,
+    new_id,
+    pinned_rank,
+    unless_disconnected,
+)
 from app.schemas.openapi import operation
 from app.schemas.requests import COMPLETION_DECODER, CompletionRequest
 from sidecar.types import Delta
@@ -87,7 +94,9 @@ async def _serve(request: Request, started: float) -> Response:
 
         return EventStreamResponse(guarded(completion_events(ctx, deltas), deltas, done))
     try:
-        body = await completion(ctx, deltas)
+        body = await unless_disconnected(request, completion(ctx, deltas))
     finally:
         await close_stream(deltas)
+    if body is None:
+        return Response(status_code=499)
     return Response(body, media_type="application/json")

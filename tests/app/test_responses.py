@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -278,9 +279,26 @@ def test_client_disconnect_drops_the_engine_stream(
     ):
         assert response.status_code == 200
         next(response.iter_lines())
-    import time
 
     deadline = time.monotonic() + 5
     while scripted.closed == before and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert scripted.closed == before + 1
+
+
+def test_non_streaming_client_disconnect_drops_the_engine_stream(
+    scripted: ScriptedEngine, scripted_gateway: str
+) -> None:
+    scripted.outputs = ["word " * 300]
+    scripted.delay = 0.01
+    before = scripted.closed
+    with (
+        httpx.Client(base_url=scripted_gateway, timeout=0.3) as client,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        client.post("/v1/completions", json={"model": SCRIPTED_MODEL, "prompt": "x"})
+    deadline = time.monotonic() + 0.5
+    while scripted.closed == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # 300 tokens at 10 ms each take 3 s: only dropping the stream ends it this soon.
     assert scripted.closed == before + 1
