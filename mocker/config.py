@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-KvRole = Literal["both", "producer", "consumer"]
 EventFormat = Literal["map", "array"]
 
 
@@ -58,6 +57,8 @@ class MockEngineConfig:
     prefill_seconds_per_token: float = 50e-6
     decode_step_seconds: float = 8e-3
     decode_seconds_per_sequence: float = 60e-6
+    # The "weights": a different seed is a different model, so the same prompt continues
+    # differently; the same seed always reproduces the same outputs.
     seed: int = 0
     # Chance per generated token (after ``min_tokens``) that the model ends by itself with EOS;
     # 0 behaves like a small random model, which practically never samples EOS.
@@ -73,8 +74,7 @@ class MockEngineConfig:
     max_loras: int = 0
     # Slow start: health reports NOT_SERVING for this long after the server starts.
     startup_delay_s: float = 0.0
-    # Disaggregated serving role reported in prefill answers' kv_transfer_params.
-    kv_role: KvRole = "both"
+    # Where a prefill answer's kv_transfer_params say the KV can be pulled from (NIXL-style).
     kv_connector_host: str = "127.0.0.1"
     kv_connector_port: int = 5600
     instance_id: str = ""

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from mocker.group import DpGroup
-from mocker.status import RpcStatus, resource_exhausted
+from mocker.status import resource_exhausted
 
 SERVICES = ("", "vllm.Inference", "vllm.Control")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -135,6 +135,3 @@ class Faults:
             self._slow_start.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._slow_start
-
-
-__all__ = ["NOT_SERVING", "SERVING", "Faults", "RpcStatus"]

@@ -77,9 +77,9 @@ class Emitted:
     eos: bool
 
 
-def context_key(prompt: list[int], lora: str) -> int:
+def context_key(prompt: list[int], lora: str, model_seed: int) -> int:
     """The model's context: the same prompt under the same adapter continues the same way."""
-    digest = hashlib.blake2b(digest_size=8)
+    digest = hashlib.blake2b(digest_size=8, salt=model_seed.to_bytes(8, "little", signed=True))
     digest.update(len(prompt).to_bytes(4, "little"))
     digest.update(b"".join(t.to_bytes(4, "little") for t in prompt[-512:]))
     digest.update(lora.encode())

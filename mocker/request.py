@@ -205,7 +205,7 @@ class RequestValidator:
                 f"token_id(s) {sorted(t for t in allowed if t >= vocab_size)} in "
                 f"allowed_token_ids are out of vocabulary. Vocabulary size: {vocab_size}"
             )
-        key = context_key(prompt, lora)
+        key = context_key(prompt, lora, self._config.seed)
         seed_bytes = sample_seed(key, seed)
         return SamplingSpec(
             context_key=key,

@@ -209,3 +209,17 @@ def test_concurrent_streams_all_finish(mock: MockEngineHandle) -> None:
     assert results == [6] * 8
     mock.wait_idle()
     assert all(mock.stats(rank).leaked == 0 for rank in mock.ranks)
+
+
+def test_model_seed_changes_the_continuation() -> None:
+    outputs = []
+    for seed in (0, 0, 1):
+        with engine(seed=seed, kv_events_port=None) as handle:
+            c = Client(handle.target)
+            try:
+                reply = c.inference.Generate(request(prompt(9, 20), max_new_tokens=8), timeout=10)
+                outputs.append(list(reply.outputs.token_ids))
+            finally:
+                c.close()
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != outputs[2]
