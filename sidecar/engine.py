@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import grpc
@@ -284,7 +284,7 @@ class Sidecar:
 
     # ---------------------------------------------------------------- generation
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[Delta, None]:
         """Stream the deltas of every choice of ``request``, interleaved as they arrive.
 
         Raises the typed errors of ``sidecar.errors``; nothing is sent to the engine when the

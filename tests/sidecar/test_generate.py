@@ -211,7 +211,7 @@ async def test_closing_the_stream_drops_every_call(
     first = await anext(stream)
     assert first.text == "t0 "
     assert sidecar.in_flight()[0] == 2
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     assert sidecar.in_flight() == {0: 0, 1: 0}
     await eventually(lambda: sorted(fake.fake.dropped) == ["c-0", "c-1"])
     assert not fake.fake.active
@@ -303,7 +303,7 @@ async def test_stuck_decode_handoff_falls_back_to_control_abort(
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     await eventually(lambda: fake.fake.aborts == ["h-0"])
     await eventually(lambda: not fake.fake.active)
     await eventually(lambda: sidecar.in_flight() == {0: 0, 1: 0})

@@ -117,7 +117,7 @@ async def test_dropped_stream_frees_the_engine(pinned: tuple[Sidecar, FixedRoute
     )
     await anext(stream)
     await anext(stream)
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     assert sidecar.in_flight() == dict.fromkeys(sidecar.info.ranks, 0)
     after = await collect(
         sidecar.generate(request("after", prompt_token_ids=tuple(fresh_prompt(10))))

@@ -262,7 +262,7 @@ async def test_a_thousand_random_disconnects_leak_nothing() -> None:
                         keep -= 1
                         if keep < 0:
                             break
-                    await stream.aclose()  # type: ignore[attr-defined]
+                    await stream.aclose()
                     return "closed"
                 task = asyncio.ensure_future(collect(stream))
                 await asyncio.sleep(rng.random() * 0.02)
