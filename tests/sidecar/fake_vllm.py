@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,6 +244,3 @@ async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> Non
         if loop.time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
-
-
-Awaiter = Callable[[], Awaitable[None]]
