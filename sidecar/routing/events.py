@@ -355,7 +355,8 @@ class KvEventIntake:
         elif kind == "AllBlocksCleared":
             self.index.clear(feed.slot)
         else:
-            self._reject(feed, f"event type {kind}")
+            log.debug("skipping KV event of unknown type %r from rank %s", kind, feed.label)
+            self._reject(feed, "event_type")
             return
         self._metrics.events.labels(feed.label, kind).inc()
 

@@ -1,13 +1,16 @@
 """The routing policies and the factory the CLI calls: ``kv`` (default), ``load``,
 ``round_robin`` and ``engine``.
 
-``kv`` prices each rank as Dynamo's KV router does, in prompt-token units:
+``kv`` prices each rank like Dynamo's KV router, in prompt-token units:
 ``prefill_weight * (uncached prompt tokens + prefill already queued there)
-+ decode_weight * tokens held by its requests in decode``, and takes the cheapest. Two guards
-keep that greedy choice honest: a rank at ``max_running_requests`` is skipped while another
-has room, and a rank running ``hot_spill_requests`` more requests than the least busy one is
-skipped, so one hot prefix cannot pile every request onto one rank. Exact ties go to a rank
-picked by the prompt's first block key, so a conversation's turns agree without always
++ decode_weight * tokens held by its requests in decode``, and takes the cheapest. Dynamo
+weighs decode like prefill; here decode counts a tenth, because a running sequence lengthens
+an engine step far less than prefilling its prompt did, and on the mocker's GPU-like timing
+the tenth gave both the best hit rate and the best TTFT (``bench/routing_workload.py``).
+Two guards keep the greedy choice honest: a rank at ``max_running_requests`` is skipped while
+another has room, and a rank running ``hot_spill_requests`` more requests than the least busy
+one is skipped, so one hot prefix cannot pile every request onto one rank. Exact ties go to a
+rank picked by the prompt's first block key, so a conversation's turns agree without always
 favouring rank 0.
 """
 
@@ -40,7 +43,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Every routing tunable; validated once when built."""
 
     policy: PolicyName = "kv"
-    # Cost weights, in prompt-token units (Dynamo's defaults: both 1).
+    # Cost weights, in prompt-token units (Dynamo's defaults: both 1; see the module doc).
     prefill_weight: float = 1.0
     decode_weight: float = 0.1
     # Share of a block's prefill an offloaded (CPU/disk) copy saves.

@@ -151,6 +151,23 @@ class TestPublisher:
             self.pub.send_multipart((self.topic.encode(), number.to_bytes(8, "big"), payload))
         return number
 
+    def rebind(self) -> None:
+        """Close the PUB socket and bind a new one on the same port, counting from 0 again:
+        what a subscriber sees when the engine restarts."""
+        self.pub.close(linger=0)
+        self.pub = self.context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        for _ in range(100):
+            try:
+                self.pub.bind(self.endpoint)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.02)
+        else:
+            raise RuntimeError(f"could not bind {self.endpoint} again")
+        self.seq = 0
+        self.wait_subscribed(timeout=10.0)
+
     def send_raw(self, frames: Sequence[bytes]) -> None:
         self.pub.send_multipart(list(frames))
 

@@ -3,6 +3,8 @@ router's decisions (and its metrics for gaps, replays and purges)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from sidecar.routing.policy import RoutingConfig
@@ -226,5 +228,23 @@ async def test_bad_input_is_counted_and_skipped(event_rig: RigFactory) -> None:
 
     assert rig.route(P + TAIL) == (0, 8)
     registry = rig.registry
-    for reason in ("batch", "frames", "event type Mystery", "block_size"):
+    for reason in ("batch", "frames", "event_type", "block_size"):
         assert sample(registry, "rankgate_kv_event_rejected_total", rank="0", reason=reason) == 1
+
+
+async def test_subscriber_reconnects_to_a_restarted_publisher(event_rig: RigFactory) -> None:
+    rig = await event_rig(config=PROBE)
+    rank0 = rig.publishers[0]
+    rank0.publish([stored([191, 192, 193, 194], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+    assert rig.route(P + TAIL) == (0, 16)
+
+    # The engine process goes away and comes back on the same port, counting from 0 again.
+    await asyncio.to_thread(rank0.rebind)
+    fresh = list(range(6000, 6016))
+    rank0.publish([stored([195, 196], blocks(fresh, 0, 2), block_size=BLOCK)])
+    await rig.settle(0, 2)
+
+    assert rig.route(P + TAIL)[1] == 0
+    assert rig.route(fresh + TAIL) == (0, 8)
+    assert sample(rig.registry, "rankgate_kv_event_purges_total", rank="0", reason="restart") == 1
