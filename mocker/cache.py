@@ -171,6 +171,6 @@ class PrefixCache:
                 lora_id=None,
                 medium=MEDIUM_GPU,
                 lora_name=lora_name,
-                extra_keys=extra if any(e is not None for e in extra) else None,
+                extra_keys=extra,
             )
         )

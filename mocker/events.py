@@ -1,10 +1,12 @@
 """KV-cache events exactly as vLLM 0.32 publishes them, and the per-rank ZMQ publisher.
 
-Wire format (SPEC §6): three frames per batch — topic, 8-byte big-endian sequence, msgpack
-payload. The payload is an array-encoded ``EventBatch`` ``[ts, events, data_parallel_rank]``
-whose events are maps tagged by ``"type"``. The PUB socket binds when the endpoint has a
-wildcard (``*``/``::``) or is ``ipc://``/``inproc://`` and connects otherwise, like vLLM's
-heuristic; the replay ROUTER always binds and keeps a bounded buffer of past batches.
+Wire format (SPEC §6 and tests/conformance/FACTS.md): three frames per batch — topic, 8-byte
+big-endian sequence, msgpack payload. The payload is an array-encoded ``EventBatch``
+``[ts, events, data_parallel_rank]`` whose events are maps tagged by ``"type"``; replay
+replies are ``["", topic, seq, payload]`` and end with ``["", "", -1, ""]``. The PUB socket
+binds when the endpoint has a wildcard (``*``/``::``) or is ``ipc://``/``inproc://`` and
+connects otherwise, like vLLM's heuristic; the replay ROUTER always binds and keeps a bounded
+buffer of past batches.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _REBIND_ATTEMPTS = 150
 MEDIUM_GPU = "GPU"
 
 
-class KvEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+class KvEvent(msgspec.Struct, tag=True, gc=False):
     """Base of the three event types; the tag is the class name under key ``type``."""
 
 
@@ -42,11 +44,15 @@ class BlockStored(KvEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[list[str] | None] | None = None
+    # vLLM 0.32 sends the KV-cache group and its spec with every stored batch.
+    group_idx: int | None = 0
+    kv_cache_spec_kind: str | None = "full_attention"
 
 
 class BlockRemoved(KvEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = 0
 
 
 class AllBlocksCleared(KvEvent):
@@ -234,7 +240,9 @@ class KvEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            topic = self._topic
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    await sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            await sock.send_multipart((client, b"", END_SEQ, b""))
+                    await sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+            # Observed on vLLM 0.32: replies carry the topic; the end marker an empty one.
+            await sock.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -27,8 +27,8 @@ class DpGroup:
             engine = self.engines.get(rank)
             if engine is None:
                 raise invalid_argument(
-                    f"data parallel rank {rank} is not connected to this frontend; "
-                    f"connected ranks: {self._ranks_text}"
+                    f"engine-core error: data parallel rank {rank} is not connected to this "
+                    f"frontend; connected ranks: {self._ranks_text}"
                 )
             return engine
         best = self._order[0]

@@ -374,7 +374,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.ListLorasResponse:
         if not self._server.config.loras:
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this server"
+                grpc.StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled"
             )
         response = control_pb2.ListLorasResponse()
         for index, name in enumerate(sorted(self._server.config.loras), start=1):

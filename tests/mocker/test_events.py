@@ -46,7 +46,9 @@ def test_wire_format_matches_vllm(mock: MockEngineHandle, client: Client) -> Non
         assert stored["parent_block_hash"] is None
         assert stored["medium"] == "GPU"
         assert stored["lora_name"] is None
-        assert "extra_keys" not in stored
+        assert stored["extra_keys"] == [None, None]
+        assert stored["group_idx"] == 0
+        assert stored["kv_cache_spec_kind"] == "full_attention"
         assert len(stored["block_hashes"]) == 2
     finally:
         sock.close(linger=0)
@@ -127,12 +129,13 @@ def test_replay_returns_buffered_batches_then_the_end_marker(
         seqs: list[int] = []
         while True:
             assert dealer.poll(5000)
-            empty, seq, payload = dealer.recv_multipart()
+            empty, topic, seq, payload = dealer.recv_multipart()
             assert empty == b""
             value = int.from_bytes(seq, "big", signed=True)
             if value == -1:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == mock.config.kv_events_topic.encode()
             seqs.append(value)
             assert msgpack.unpackb(payload, strict_map_key=False)[2] == 0
         assert seqs == list(range(len(seqs)))

@@ -43,7 +43,8 @@ def test_partial_group_reports_and_checks_its_ranks() -> None:
                 c.stream(request(prompt(1, 8)), rank=0)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert caught.value.details() == (
-                "data parallel rank 0 is not connected to this frontend; connected ranks: [2, 3]"
+                "engine-core error: data parallel rank 0 is not connected to this frontend; "
+                "connected ranks: [2, 3]"
             )
         finally:
             c.close()
