@@ -1,6 +1,7 @@
 """Routing policies against the mock engine (DP=4, GPU-like timing): prefix hit rate and TTFT.
 
-Two workloads, each run once per policy on a fresh engine:
+Two workloads, each run once per policy on a fresh engine and a fresh gateway (or, with
+``--via sidecar``, straight into the Sidecar facade):
 
 * ``shared``: conversations that share a system prompt, several turns each; every turn's prompt
   is the previous prompt, the model's answer and a new user message (token ids end to end).
@@ -9,7 +10,8 @@ Two workloads, each run once per policy on a fresh engine:
 The hit rate is the engine's own count (cached prompt tokens / prompt tokens over all ranks);
 TTFT is measured at the client, from sending the request to the first token.
 
-    PYTHONPATH=. .venv/bin/python bench/routing_workload.py [--speed 0.1] [--workload shared unique]
+    PYTHONPATH=. .venv/bin/python bench/routing_workload.py [--speed 0.1] [--via gateway|sidecar]
+        [--workload shared unique] [--policy kv load round_robin engine] [--together]
 
 At ``--speed 0.1`` (the GPU-like model ten times slower) simulated prefill and decode time,
 not this machine's CPU, dominates TTFT; faster speeds measure the gateway's CPU as well.
@@ -35,12 +37,15 @@ async def _main(args: argparse.Namespace) -> None:
     for name in args.workload:
         if args.together:
             batch = await asyncio.gather(
-                *(run_policy(policy, workloads[name], args.speed) for policy in args.policy)
+                *(
+                    run_policy(policy, workloads[name], args.speed, via=args.via)
+                    for policy in args.policy
+                )
             )
             results.extend(batch)
             continue
         for policy in args.policy:
-            results.append(await run_policy(policy, workloads[name], args.speed))
+            results.append(await run_policy(policy, workloads[name], args.speed, via=args.via))
             print(table(results[-1:]).splitlines()[1], flush=True)
     print()
     print(table(results))
@@ -57,6 +62,9 @@ def main() -> None:
     parser.add_argument("--workload", nargs="+", default=["shared", "unique"])
     parser.add_argument("--policy", nargs="+", default=list(POLICIES))
     parser.add_argument("--together", action="store_true", help="run the policies concurrently")
+    parser.add_argument(
+        "--via", choices=("gateway", "sidecar"), default="gateway", help="HTTP or the facade"
+    )
     asyncio.run(_main(parser.parse_args()))
 
 

@@ -305,6 +305,7 @@ class KvRouter(_CountingRouter):
         self._spill_full = metrics.spills.labels("capacity")
 
     def _on_configure(self, info: EngineInfo, topology: _Topology) -> None:
+        self._stopping = [intake for intake in self._stopping if intake.running]
         if self.intake is not None:
             self.intake.stop()
             self._stopping.append(self.intake)

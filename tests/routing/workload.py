@@ -17,10 +17,15 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
 
+import httpx
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from mocker.config import MockEngineConfig
 from mocker.testing import running_mock_engine
@@ -30,7 +35,10 @@ from sidecar.routing.policy import RoutingConfig, build_router
 from sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.support.ports import free_port, free_port_range
 
-VOCAB = (100, 30000)
+# The tiny tokenizer the gateway and the engine share has 3,072 ids.
+TOKENIZER = Path(__file__).resolve().parents[2] / "mocker" / "assets" / "tiny-tokenizer"
+VOCAB = (100, 3000)
+Via = Literal["sidecar", "gateway"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ def engine_config(speed: float, kv_blocks_per_rank: int, dp: int = 4) -> MockEng
         dp_size=dp,
         block_size=16,
         model="bench-llm",
+        tokenizer=str(TOKENIZER),
         total_kv_blocks=kv_blocks_per_rank * dp,
         max_running_requests=64,
         kv_events_port=free_port_range(dp),
@@ -114,27 +123,75 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(count)]
 
 
-async def _one(
-    sidecar: Sidecar, request_id: str, prompt: Sequence[int], out: int
-) -> tuple[float, list[int]]:
-    request = PreparedRequest(
-        request_id=request_id,
-        prompt_token_ids=tuple(prompt),
-        sampling=SamplingParams(temperature=0.0),
-        stopping=StoppingParams(max_tokens=out, min_tokens=out, ignore_eos=True),
-    )
-    started = time.perf_counter()
-    first = 0.0
-    output: list[int] = []
-    async for delta in sidecar.generate(request):
-        if delta.token_ids:
-            if not first:
-                first = time.perf_counter() - started
-            output.extend(delta.token_ids)
-    return first, output
+class Client(Protocol):
+    async def complete(
+        self, request_id: str, prompt: Sequence[int], out: int
+    ) -> tuple[float, list[int]]:
+        """Generate ``out`` tokens; returns (seconds to the first token, output token ids)."""
+        ...
 
 
-async def _shared(sidecar: Sidecar, work: SharedPrefix, result: PolicyResult) -> None:
+class SidecarClient:
+    """Straight into the Sidecar facade: token ids in, token ids out."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    async def complete(
+        self, request_id: str, prompt: Sequence[int], out: int
+    ) -> tuple[float, list[int]]:
+        request = PreparedRequest(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_tokens=out, min_tokens=out, ignore_eos=True),
+        )
+        started = time.perf_counter()
+        first = 0.0
+        output: list[int] = []
+        async for delta in self._sidecar.generate(request):
+            if delta.token_ids:
+                if not first:
+                    first = time.perf_counter() - started
+                output.extend(delta.token_ids)
+        return first, output
+
+
+class GatewayClient:
+    """Through the gateway's HTTP API: a streamed ``/v1/completions`` with a token-id prompt.
+
+    The answer comes back as text, so the next turn carries the user's tokens only: the
+    history the engine cached is still the prefix of every later prompt.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, model: str) -> None:
+        self._http = http
+        self._model = model
+
+    async def complete(
+        self, request_id: str, prompt: Sequence[int], out: int
+    ) -> tuple[float, list[int]]:
+        body = {
+            "model": self._model,
+            # A batch of one token array: the flat form is refused past 256 tokens (app bug).
+            "prompt": [list(prompt)],
+            "max_tokens": out,
+            "min_tokens": out,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        started = time.perf_counter()
+        first = 0.0
+        async with self._http.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and not first:
+                    first = time.perf_counter() - started
+        return first, []
+
+
+async def _shared(client: Client, work: SharedPrefix, result: PolicyResult) -> None:
     rng = random.Random(work.seed)
     systems = [_tokens(rng, work.system_tokens) for _ in range(work.groups)]
     users = [
@@ -151,7 +208,7 @@ async def _shared(sidecar: Sidecar, work: SharedPrefix, result: PolicyResult) ->
         await asyncio.sleep(index * work.stagger_seconds)
         prompt = [*systems[index % work.groups], *users[index][0]]
         for turn in range(work.turns):
-            ttft, output = await _one(sidecar, f"c{index}t{turn}", prompt, work.output_tokens)
+            ttft, output = await client.complete(f"c{index}t{turn}", prompt, work.output_tokens)
             result.ttfts.append(ttft)
             if turn + 1 < work.turns:
                 prompt = [*prompt, *output, *users[index][turn + 1]]
@@ -160,7 +217,7 @@ async def _shared(sidecar: Sidecar, work: SharedPrefix, result: PolicyResult) ->
     await asyncio.gather(*(conversation(i) for i in range(work.conversations)))
 
 
-async def _unique(sidecar: Sidecar, work: NoReuse, result: PolicyResult) -> None:
+async def _unique(client: Client, work: NoReuse, result: PolicyResult) -> None:
     rng = random.Random(work.seed)
     prompts = [
         _tokens(rng, rng.randrange(work.min_tokens, work.max_tokens)) for _ in range(work.requests)
@@ -168,37 +225,35 @@ async def _unique(sidecar: Sidecar, work: NoReuse, result: PolicyResult) -> None
 
     async def one(index: int) -> None:
         await asyncio.sleep(index * work.interval_seconds)
-        ttft, _ = await _one(sidecar, f"u{index}", prompts[index], work.output_tokens)
+        ttft, _ = await client.complete(f"u{index}", prompts[index], work.output_tokens)
         result.ttfts.append(ttft)
 
     await asyncio.gather(*(one(i) for i in range(work.requests)))
 
 
 async def run_policy(
-    policy: str, work: Workload, speed: float = 1.0, routing: RoutingConfig | None = None
+    policy: str,
+    work: Workload,
+    speed: float = 1.0,
+    routing: RoutingConfig | None = None,
+    via: Via = "sidecar",
 ) -> PolicyResult:
-    """One workload under one policy on a fresh mock engine; returns the engine's counts."""
-    from prometheus_client import CollectorRegistry
+    """One workload under one policy on a fresh mock engine; returns the engine's counts.
 
+    ``via="gateway"`` serves the whole gateway (HTTP, OpenAI schema, tokenizer) on loopback and
+    drives it over HTTP; ``"sidecar"`` calls the Sidecar facade directly.
+    """
     config = engine_config(speed, work.kv_blocks_per_rank)
     result = PolicyResult(policy=policy, workload=work.name)
-    settings = routing or RoutingConfig()
-    router = build_router(msgspec.structs.replace(settings, policy=policy), CollectorRegistry())
+    settings = msgspec.structs.replace(routing or RoutingConfig(), policy=policy)
     with running_mock_engine(config) as handle:
-        sidecar = Sidecar(
-            SidecarConfig(endpoint=handle.target, startup_timeout=30.0, health_interval=5.0),
-            router,
-        )
-        await sidecar.start()
-        try:
+        async with _client(handle.target, config.model, settings, via) as client:
             started = time.perf_counter()
             if isinstance(work, SharedPrefix):
-                await _shared(sidecar, work, result)
+                await _shared(client, work, result)
             else:
-                await _unique(sidecar, work, result)
+                await _unique(client, work, result)
             result.seconds = time.perf_counter() - started
-        finally:
-            await sidecar.close()
         stats = await asyncio.to_thread(handle.all_stats)
     for rank, rank_stats in stats.items():
         result.prompt_tokens += rank_stats.prompt_tokens
@@ -206,6 +261,34 @@ async def run_policy(
         result.requests += rank_stats.requests_received
         result.per_rank[rank] = rank_stats.requests_received
     return result
+
+
+@asynccontextmanager
+async def _client(
+    target: str, model: str, routing: RoutingConfig, via: Via
+) -> AsyncIterator[Client]:
+    if via == "sidecar":
+        router = build_router(routing, CollectorRegistry())
+        sidecar = Sidecar(
+            SidecarConfig(endpoint=target, startup_timeout=30.0, health_interval=5.0), router
+        )
+        await sidecar.start()
+        try:
+            yield SidecarClient(sidecar)
+        finally:
+            await sidecar.close()
+        return
+    from app.server import create_app
+    from app.settings import GatewaySettings
+    from tests.app.serving import serve_app
+
+    settings = GatewaySettings(
+        engine=target, tokenizer=str(TOKENIZER), policy=routing.policy, startup_timeout=30.0
+    )
+    with serve_app(create_app(settings)) as url:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as http:
+            yield GatewayClient(http, model)
 
 
 def table(results: Sequence[PolicyResult]) -> str:

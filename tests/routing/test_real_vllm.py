@@ -1,0 +1,88 @@
+"""The ``kv`` router against real vLLM (DP=2): requests sharing a long prefix land on the rank
+whose KV events announced it.
+
+The prefix is first computed on rank 1 by pinning (vLLM's own balancer would have used rank 0),
+and the router runs without bridging predictions, so only rank 1's real KV events, decoded and
+re-hashed by the router, can draw the later requests there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.config import SidecarConfig
+from sidecar.engine import Sidecar
+from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from sidecar.types import PreparedRequest, SamplingParams, StoppingParams
+from tests.conformance.helpers import fresh_prompt
+from tests.support.engines import EngineUnderTest
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
+
+PREFIX_BLOCKS = 8
+
+
+def _request(tokens: list[int], request_id: str, rank: int | None = None) -> PreparedRequest:
+    return PreparedRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(tokens),
+        sampling=SamplingParams(temperature=0.0),
+        stopping=StoppingParams(max_tokens=2),
+        rank=rank,
+    )
+
+
+async def _complete(sidecar: Sidecar, request: PreparedRequest) -> None:
+    async for _ in sidecar.generate(request):
+        pass
+
+
+async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderTest) -> None:
+    registry = CollectorRegistry()
+    router = build_router(RoutingConfig(pending_ttl=0), registry)
+    assert isinstance(router, KvRouter)
+    sidecar = Sidecar(
+        SidecarConfig(endpoint=real_vllm.target, startup_timeout=120.0, health_interval=2.0),
+        router,
+    )
+    await sidecar.start()
+    try:
+        block = real_vllm.block_size
+        prefix = fresh_prompt(PREFIX_BLOCKS * block)
+        tails = [fresh_prompt(block // 2) for _ in range(4)]
+        keys = router.keys(_request(prefix, "probe")).hashes
+        assert len(keys) == PREFIX_BLOCKS
+
+        await _complete(sidecar, _request(prefix + tails[0], "warm", rank=1))
+        deadline = time.monotonic() + 60.0
+        while router.events is None or router.events.match(keys).device[1] < PREFIX_BLOCKS:
+            assert time.monotonic() < deadline, "rank 1 never announced the prefix"
+            await asyncio.sleep(0.05)
+
+        before = registry.get_sample_value(
+            "rankgate_routing_requests_total", {"policy": "kv", "rank": "1"}
+        )
+        for index, tail in enumerate(tails[1:]):
+            # A dry run shows the decision; the real request then goes through the sidecar.
+            ticket = router.route(_request(prefix + tail, f"look{index}"))
+            ticket.finished()
+            assert ticket.decision.rank == 1
+            assert ticket.decision.cached_tokens == PREFIX_BLOCKS * block
+            await _complete(sidecar, _request(prefix + tail, f"follow{index}"))
+        after = registry.get_sample_value(
+            "rankgate_routing_requests_total", {"policy": "kv", "rank": "1"}
+        )
+        assert before is not None
+        assert after is not None
+        assert after - before == 2 * len(tails[1:])
+        # Rank 0 never computed the prefix: nothing was sent there.
+        assert router.events.match(keys).device[0] == 0
+        cached = registry.get_sample_value("rankgate_routing_cached_tokens_total", {"rank": "1"})
+        assert cached is not None
+        assert cached >= 2 * len(tails[1:]) * PREFIX_BLOCKS * block
+    finally:
+        await sidecar.close()
