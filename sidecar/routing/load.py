@@ -4,6 +4,10 @@ Per slot: requests in flight, prompt tokens still to prefill (the uncached part 
 have no first token yet) and tokens held by requests past prefill. Every number changes only
 through a :class:`LoadTicket`, whose transitions are idempotent, so a request that fails,
 is cancelled or finishes twice can never leave the view skewed.
+
+With several worker processes the view also holds the other workers' counts, read from a
+:class:`~sidecar.routing.shared_load.SharedLoadBoard` by :meth:`LoadTracker.sync` before each
+decision; this process's own changes are written to its row of the board as they happen.
 """
 
 from __future__ import annotations
@@ -11,23 +15,64 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sidecar.routing.base import RouteDecision
+from sidecar.routing.shared_load import SharedLoadBoard
 
 
 class LoadTracker:
-    __slots__ = ("decode_tokens", "in_flight", "max_running", "prefill_tokens", "slots")
+    __slots__ = (
+        "_fresh",
+        "_others",
+        "decode_tokens",
+        "in_flight",
+        "max_running",
+        "prefill_tokens",
+        "ranks",
+        "shared",
+        "slots",
+    )
 
-    def __init__(self, max_running: Sequence[int]) -> None:
+    def __init__(
+        self,
+        max_running: Sequence[int],
+        shared: SharedLoadBoard | None = None,
+        ranks: Sequence[int] = (),
+    ) -> None:
         self.slots = len(max_running)
         self.max_running = [max(1, m) for m in max_running]
         self.in_flight = [0] * self.slots
         self.prefill_tokens = [0] * self.slots
         self.decode_tokens = [0] * self.slots
+        # The DP rank of each slot, which keys the shared board.
+        self.ranks = tuple(ranks) if ranks else tuple(range(self.slots))
+        if len(self.ranks) != self.slots:
+            raise ValueError("one rank per slot is needed to share load")
+        self.shared = shared
+        self._others = [[0] * self.slots for _ in range(3)]
+        self._fresh = [[0] * self.slots for _ in range(3)]
+
+    def sync(self) -> None:
+        """Replace the other workers' part of the view with their current counts."""
+        shared = self.shared
+        if shared is None:
+            return
+        fresh, old = self._fresh, self._others
+        shared.others(self.ranks, fresh)
+        for view, new, before in zip(
+            (self.in_flight, self.prefill_tokens, self.decode_tokens), fresh, old, strict=True
+        ):
+            for slot in range(self.slots):
+                change = new[slot] - before[slot]
+                if change:
+                    view[slot] += change
+        self._others, self._fresh = fresh, old
 
     def admit(
         self, slot: int, decision: RouteDecision, prefill_tokens: int, total_tokens: int
     ) -> LoadTicket:
         self.in_flight[slot] += 1
         self.prefill_tokens[slot] += prefill_tokens
+        if self.shared is not None:
+            self.shared.add(self.ranks[slot], 1, prefill_tokens, 0)
         return LoadTicket(self, slot, decision, prefill_tokens, total_tokens)
 
     def has_room(self, slot: int) -> bool:
@@ -65,21 +110,34 @@ class LoadTicket:
             return
         self._state = self._DECODE
         tracker = self._tracker
-        tracker.prefill_tokens[self._slot] = max(
-            0, tracker.prefill_tokens[self._slot] - self._prefill
-        )
-        tracker.decode_tokens[self._slot] += self._total
+        slot = self._slot
+        before = tracker.prefill_tokens[slot]
+        after = max(0, before - self._prefill)
+        tracker.prefill_tokens[slot] = after
+        tracker.decode_tokens[slot] += self._total
+        if tracker.shared is not None:
+            tracker.shared.add(tracker.ranks[slot], 0, after - before, self._total)
 
     def finished(self) -> None:
         if self._state == self._DONE:
             return
         tracker = self._tracker
         slot = self._slot
+        prefill = decode = 0
         if self._state == self._PREFILL:
-            tracker.prefill_tokens[slot] = max(0, tracker.prefill_tokens[slot] - self._prefill)
+            before = tracker.prefill_tokens[slot]
+            tracker.prefill_tokens[slot] = max(0, before - self._prefill)
+            prefill = tracker.prefill_tokens[slot] - before
         else:
-            tracker.decode_tokens[slot] = max(0, tracker.decode_tokens[slot] - self._total)
-        tracker.in_flight[slot] = max(0, tracker.in_flight[slot] - 1)
+            before = tracker.decode_tokens[slot]
+            tracker.decode_tokens[slot] = max(0, before - self._total)
+            decode = tracker.decode_tokens[slot] - before
+        before = tracker.in_flight[slot]
+        tracker.in_flight[slot] = max(0, before - 1)
+        if tracker.shared is not None:
+            tracker.shared.add(
+                tracker.ranks[slot], tracker.in_flight[slot] - before, prefill, decode
+            )
         self._state = self._DONE
 
 

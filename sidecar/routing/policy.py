@@ -31,6 +31,7 @@ from sidecar.routing.hashing import PromptKeys, prompt_keys
 from sidecar.routing.index import OFFLOADED, EventIndex, PredictedIndex
 from sidecar.routing.load import LoadTracker, UntrackedTicket
 from sidecar.routing.metrics import RankSnapshot, RoutingMetrics, routing_metrics
+from sidecar.routing.shared_load import SharedLoadBoard
 from sidecar.types import EngineInfo, KvEventSource, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -78,16 +79,27 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("offload_index_factor must be >= 0")
 
 
-def build_router(config: RoutingConfig, registry: CollectorRegistry | None = None) -> Router:
-    """The router for ``config.policy``; its metrics go to ``registry`` (default: global)."""
+def build_router(
+    config: RoutingConfig,
+    registry: CollectorRegistry | None = None,
+    shared_load: SharedLoadBoard | None = None,
+) -> Router:
+    """The router for ``config.policy``; its metrics go to ``registry`` (default: global).
+
+    ``shared_load`` is the board worker processes share their per-rank load through.
+    """
     metrics = routing_metrics(registry)
     if config.policy == "engine":
         return EngineRouter(metrics)
+    router: _CountingRouter
     if config.policy == "round_robin":
-        return RoundRobinRouter(config, metrics)
-    if config.policy == "load":
-        return LoadRouter(config, metrics)
-    return KvRouter(config, metrics)
+        router = RoundRobinRouter(config, metrics)
+    elif config.policy == "load":
+        router = LoadRouter(config, metrics)
+    else:
+        router = KvRouter(config, metrics)
+    router.shared_load = shared_load
+    return router
 
 
 class EngineRouter:
@@ -143,6 +155,7 @@ class _CountingRouter:
         self.topology: _Topology | None = None
         self.slots: dict[int, int] = {}
         self.load = LoadTracker(())
+        self.shared_load: SharedLoadBoard | None = None
         self._counters: list[tuple[Any, Any, Any]] = []
         self._rotation = 0
 
@@ -152,7 +165,7 @@ class _CountingRouter:
             return
         self.topology = topology
         self.slots = {rank: slot for slot, rank in enumerate(topology.ranks)}
-        self.load = LoadTracker(topology.max_running)
+        self.load = LoadTracker(topology.max_running, self.shared_load, topology.ranks)
         self._counters = [
             (
                 self.metrics.routed.labels(self.name, str(rank)),
@@ -178,6 +191,7 @@ class _CountingRouter:
         if topology is None:
             return
         load = self.load
+        load.sync()
         for slot, rank in enumerate(topology.ranks):
             device, offloaded, predicted = self._index_sizes(slot)
             yield RankSnapshot(
@@ -270,6 +284,7 @@ class LoadRouter(_CountingRouter):
 
     def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
         self._require_topology()
+        self.load.sync()
         prompt_tokens = _prompt_tokens(request)
         slot = self._pinned_slot(request)
         if slot is not None:
@@ -381,6 +396,7 @@ class KvRouter(_CountingRouter):
 
     def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
         topology = self._require_topology()
+        self.load.sync()
         keys = self.keys(request)
         hashes = keys.hashes
         block = topology.block_size
