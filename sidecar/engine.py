@@ -391,6 +391,10 @@ class Sidecar:
         delta = leg.decoder.feed(response)
         if delta is None:
             return None
+        if delta.prompt_tokens is not None:
+            # A choice's first delta says where it ran (for the access log and metrics).
+            delta.rank = None if leg.rank_key == UNPINNED_RANK else leg.rank_key
+            delta.cached_tokens = leg.ticket.decision.cached_tokens
         if not leg.started and delta.token_ids:
             leg.started = True
             leg.ticket.first_token()

@@ -120,6 +120,10 @@ class Delta(msgspec.Struct, kw_only=True):
     # The stop string or token id that ended the choice, as vLLM reports it.
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # On a choice's first delta: the DP rank it was pinned to (None: vLLM chose) and the
+    # prompt tokens the router believed that rank held already.
+    rank: int | None = None
+    cached_tokens: int | None = None
 
 
 class RankCapacity(msgspec.Struct, frozen=True):
