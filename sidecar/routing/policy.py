@@ -108,6 +108,7 @@ class EngineRouter:
     name = "engine"
 
     def __init__(self, metrics: RoutingMetrics) -> None:
+        self._metrics = metrics
         self._counter = metrics.routed.labels("engine", "none")
         self._decision = RouteDecision(rank=None, policy="engine")
 
@@ -115,11 +116,12 @@ class EngineRouter:
         return None
 
     def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
-        self._counter.inc()
         if request.rank is not None:
+            self._metrics.routed.labels("engine", str(request.rank)).inc()
             return UntrackedTicket(
                 RouteDecision(rank=request.rank, policy="engine", reason="pinned")
             )
+        self._counter.inc()
         return UntrackedTicket(self._decision)
 
     async def start(self) -> None:

@@ -176,6 +176,9 @@ async def test_baselines() -> None:
     assert decision.rank is None
     assert decision.header() == "rank=none;cached=0/0;policy=engine;reason="
     assert sample(registry, "rankgate_routing_requests_total", policy="engine", rank="none") == 1
+    pinned = engine.route(prepared([1, 2, 3], rank=2)).decision
+    assert (pinned.rank, pinned.reason) == (2, "pinned")
+    assert sample(registry, "rankgate_routing_requests_total", policy="engine", rank="2") == 1
 
 
 async def test_unconfigured_router_refuses() -> None:
