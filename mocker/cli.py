@@ -11,6 +11,7 @@ from typing import Any
 import uvloop
 
 from mocker.config import ConfigError, MockEngineConfig
+from mocker.transfer import ROLES
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,6 +55,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-multimodal", action="store_true", help="reject media")
     a("--lora", action="append", default=[], help="a loaded LoRA adapter name; repeat")
     a("--startup-delay", type=float, default=0.0, help="health NOT_SERVING for this long")
+    a(
+        "--role",
+        choices=ROLES,
+        default=d.role,
+        help="prefill: only do_remote_decode requests; decode: only remote prefills with a "
+        "prefill engine's kv_transfer_params; both: anything (default: %(default)s)",
+    )
+    a(
+        "--kv-transfer-seconds",
+        type=float,
+        default=d.kv_transfer_seconds,
+        help="a decode's KV pull from its prefill: fixed part at speed 1 (default: %(default)s)",
+    )
+    a(
+        "--kv-transfer-seconds-per-block",
+        type=float,
+        default=d.kv_transfer_seconds_per_block,
+        help="a decode's KV pull: seconds per prompt block at speed 1 (default: %(default)s)",
+    )
     a("--log-level", default="info")
 
 
@@ -85,6 +105,9 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         supports_multimodal=not args.no_multimodal,
         loras=tuple(args.lora),
         startup_delay_s=args.startup_delay,
+        role=args.role,
+        kv_transfer_seconds=args.kv_transfer_seconds,
+        kv_transfer_seconds_per_block=args.kv_transfer_seconds_per_block,
     )
 
 

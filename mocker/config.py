@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mocker.transfer import ROLES, Role
+
 EventFormat = Literal["map", "array"]
 
 
@@ -78,6 +80,12 @@ class MockEngineConfig:
     kv_connector_host: str = "127.0.0.1"
     kv_connector_port: int = 5600
     instance_id: str = ""
+    # Disaggregation: "prefill" serves only requests marked do_remote_decode, "decode" only
+    # remote prefills whose params a prefill engine issued for the same prompt; "both" serves
+    # all. A decode pulls the prompt's KV before its first step: this long at ``speed`` 1.
+    role: Role = "both"
+    kv_transfer_seconds: float = 2e-3
+    kv_transfer_seconds_per_block: float = 20e-6
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:
@@ -107,6 +115,10 @@ class MockEngineConfig:
             raise ConfigError("model (served name) must not be empty")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ConfigError("eos_probability must lie in [0, 1]")
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_transfer_seconds < 0 or self.kv_transfer_seconds_per_block < 0:
+            raise ConfigError("KV transfer times must be >= 0")
 
     @property
     def local_size(self) -> int:
@@ -131,6 +143,13 @@ class MockEngineConfig:
     @property
     def target(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def transfer_seconds(self, prompt_tokens: int) -> float:
+        """How long a decode waits for a remote prefill's KV (0 when ``speed`` is 0)."""
+        if self.speed == 0.0:
+            return 0.0
+        blocks = -(-prompt_tokens // self.block_size)
+        return (self.kv_transfer_seconds + self.kv_transfer_seconds_per_block * blocks) / self.speed
 
     def kv_endpoint(self, rank: int) -> str | None:
         if self.kv_events_port is None:

@@ -26,6 +26,7 @@ from mocker.model import TokenModel
 from mocker.output import Emitted, Finish, Sequence
 from mocker.request import MockRequest
 from mocker.status import ENGINE_DEAD, RpcStatus, internal
+from mocker.transfer import issue
 from mocker.vocab import Vocabulary
 
 
@@ -100,6 +101,8 @@ class EngineRequest:
     remote_prefill: bool = False
     first_token_at: float | None = None
     kv_transfer_out: dict[str, Any] | None = None
+    # Pending while the remote prefill's KV is being pulled, before the request may schedule.
+    transfer: asyncio.TimerHandle | None = None
 
     @property
     def request_id(self) -> str:
@@ -119,6 +122,7 @@ class RankCounters:
     preemptions: int = 0
     failed: int = 0
     stranded_transfers: int = 0
+    transfers_completed: int = 0
     steps: int = 0
 
 
@@ -143,6 +147,7 @@ class RankEngine:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
+        self.transferring: set[EngineRequest] = set()
         # The last prompts this rank accepted, so tests can see exactly what a client sent.
         self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=32)
         self._wakeup = asyncio.Event()
@@ -215,9 +220,25 @@ class RankEngine:
         if req.spec.max_tokens == 0:
             self._finish(request, Emitted(-1, "", None, Finish.LENGTH, None, False), count=False)
             return request
+        delay = self.config.transfer_seconds(len(req.prompt)) if request.remote_prefill else 0.0
+        if delay > 0.0:
+            self.transferring.add(request)
+            request.transfer = asyncio.get_running_loop().call_later(
+                delay, self._transferred, request
+            )
+            return request
+        self._enqueue(request)
+        return request
+
+    def _transferred(self, request: EngineRequest) -> None:
+        request.transfer = None
+        self.transferring.discard(request)
+        self.counters.transfers_completed += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: EngineRequest) -> None:
         self.waiting.append(request)
         self._wakeup.set()
-        return request
 
     def abort(self, request_id: str) -> bool:
         """Abort by id (Control.Abort or a dropped stream); the stream ends with ABORTED."""
@@ -436,6 +457,10 @@ class RankEngine:
         request.outbox.put(emitted)
 
     def _drop(self, request: EngineRequest) -> None:
+        if request.transfer is not None:
+            request.transfer.cancel()
+            request.transfer = None
+            self.transferring.discard(request)
         if request.state is State.RUNNING:
             self.running.remove(request)
         elif request.state is State.WAITING:
@@ -449,7 +474,8 @@ class RankEngine:
 
     def _transfer_params(self, request: EngineRequest) -> dict[str, Any]:
         c = self.config
-        return {
+        req = request.req
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [b.block_id for b in request.blocks],
@@ -458,6 +484,7 @@ class RankEngine:
             "remote_port": str(c.kv_connector_port + self.rank),
             "tp_size": 1,
         }
+        return issue(params, req.prompt, req.media, req.lora, req.cache_salt)
 
     def _publish(self) -> None:
         events = self.cache.take_events()

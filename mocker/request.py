@@ -17,6 +17,7 @@ from mocker.media import MediaResolver, MediaSpan
 from mocker.model import Processing
 from mocker.output import LogprobSpec, SamplingSpec, context_key, sample_seed
 from mocker.status import failed_precondition, invalid_argument, not_found
+from mocker.transfer import check as check_transfer
 from mocker.vocab import Vocabulary
 from sidecar.proto.vllm import inference_pb2
 
@@ -136,6 +137,7 @@ class RequestValidator:
         kv_params: dict[str, Any] | None = None
         if req.kv.HasField("kv_transfer_params"):
             kv_params = struct_to_dict(req.kv.kv_transfer_params)
+        check_transfer(config.role, kv_params, prompt, media, lora, req.kv.cache_salt)
         return MockRequest(
             request_id=request_id,
             prompt=prompt,

@@ -41,6 +41,8 @@ class RankStats:
     preemptions: int
     failed: int
     stranded_transfers: int
+    transfers_completed: int
+    transferring: int
     active: int
     waiting: int
     running: int
@@ -160,7 +162,7 @@ def _snapshot(engine: RankEngine) -> RankStats:
     c = engine.counters
     publisher = engine.publisher
     tracked = set(engine.requests.values())
-    scheduled = set(engine.waiting) | set(engine.running)
+    scheduled = set(engine.waiting) | set(engine.running) | engine.transferring
     return RankStats(
         rank=engine.rank,
         requests_received=c.requests_received,
@@ -172,6 +174,8 @@ def _snapshot(engine: RankEngine) -> RankStats:
         preemptions=c.preemptions,
         failed=c.failed,
         stranded_transfers=c.stranded_transfers,
+        transfers_completed=c.transfers_completed,
+        transferring=len(engine.transferring),
         active=engine.active,
         waiting=len(engine.waiting),
         running=len(engine.running),

@@ -10,6 +10,9 @@ class SidecarConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     ``served_model_name`` renames the model towards clients only: vLLM is always addressed by the
     name it reports itself, which then stays accepted as an alias.
+
+    ``decode_handoff_timeout`` bounds how long a disaggregated decode request whose client left
+    is still read for its first token, so the KV transfer it started can complete.
     """
 
     endpoint: str
@@ -19,6 +22,7 @@ class SidecarConfig(msgspec.Struct, frozen=True, kw_only=True):
     health_interval: float = 1.0
     num_channels: int = 2
     served_model_name: str | None = None
+    decode_handoff_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.startup_timeout <= 0:
@@ -29,5 +33,7 @@ class SidecarConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("health_interval must be positive")
         if not 1 <= self.num_channels <= 64:
             raise ValueError("num_channels must be between 1 and 64")
+        if self.decode_handoff_timeout < 0:
+            raise ValueError("decode_handoff_timeout must be >= 0")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be blank")

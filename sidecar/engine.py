@@ -10,7 +10,6 @@ deltas; closing the generator drops every stream at once, which makes vLLM abort
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -41,10 +40,6 @@ log = logging.getLogger(__name__)
 RANK_METADATA_KEY = "x-data-parallel-rank"
 # In-flight requests sent without a rank (vLLM's own balancer chooses) are counted here.
 UNPINNED_RANK = -1
-# How long a cancelled disaggregated decode request is kept reading for its first token
-# before Control.Abort, and how long Abort gets to end the stream before it is dropped.
-HANDOFF_WAIT_S = 30.0
-ABORT_GRACE_S = 5.0
 CONTROL_RPC_TIMEOUT_S = 10.0
 LORA_CACHE_TTL_S = 5.0
 
@@ -181,6 +176,12 @@ class Sidecar:
         return self._ready
 
     @property
+    def engine_model(self) -> str:
+        """The name vLLM itself serves the model under (``served_model_name`` may rename it
+        towards clients); "" before discovery."""
+        return self._current.wire_model if self._current is not None else ""
+
+    @property
     def info(self) -> EngineInfo:
         current = self._current
         if not self._ready or current is None:
@@ -284,12 +285,16 @@ class Sidecar:
 
     # ---------------------------------------------------------------- generation
 
-    async def generate(self, request: PreparedRequest) -> AsyncGenerator[Delta, None]:
+    async def generate(
+        self, request: PreparedRequest, *, decode_handoff: bool = False
+    ) -> AsyncGenerator[Delta, None]:
         """Stream the deltas of every choice of ``request``, interleaved as they arrive.
 
         Raises the typed errors of ``sidecar.errors``; nothing is sent to the engine when the
         request fails validation. Closing the iterator (or cancelling its consumer) drops all
-        of the request's streams at once.
+        of the request's streams at once, except a disaggregated decode (``decode_handoff``, or
+        params marked ``do_remote_prefill``) that has not produced its first token yet: that
+        one is read on in the background, at most ``decode_handoff_timeout`` seconds.
         """
         current = self._current
         encoder = self._encoder
@@ -301,7 +306,7 @@ class Sidecar:
                 f"ranks: {list(current.info.ranks)}"
             )
         messages = encoder.encode(request)
-        handoff = is_decode_handoff(request)
+        handoff = decode_handoff or is_decode_handoff(request)
         want_logprobs = request.output.logprobs is not None
         legs: list[_Leg] = []
         reads: dict[asyncio.Task[Any], _Leg] = {}
@@ -441,25 +446,26 @@ class Sidecar:
         task.add_done_callback(self._background.discard)
 
     async def _finish_handoff(self, leg: _Leg, read: asyncio.Task[Any] | None) -> None:
-        """Keep reading a cancelled decode request until its first token (SPEC.md section 8),
-        Control.Abort it when that takes too long, and drop it when even Abort does not end it.
+        """Keep reading a cancelled decode request until its first token or its end (SPEC.md
+        section 8), so the KV transfer it started completes and its blocks are released; drop
+        it then, or when ``decode_handoff_timeout`` runs out, or when the gateway shuts down.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + HANDOFF_WAIT_S
-        aborted = False
+        timeout = self._config.decode_handoff_timeout
+        deadline = loop.time() + timeout
         try:
             while True:
                 if read is None:
                     read = asyncio.ensure_future(leg.call.read())
                 done, _ = await asyncio.wait({read}, timeout=max(deadline - loop.time(), 0.0))
                 if not done:
-                    if aborted:
-                        break
-                    aborted = True
-                    with contextlib.suppress(SidecarError):
-                        await self.abort([leg.request_id])
-                    deadline = loop.time() + ABORT_GRACE_S
-                    continue
+                    log.warning(
+                        "decode request %s had no first token %.1f s after its client left; "
+                        "dropping it (its KV transfer may be stranded)",
+                        leg.request_id,
+                        timeout,
+                    )
+                    break
                 response, read = read.result(), None
                 if response is _EOF:
                     break

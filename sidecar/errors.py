@@ -49,3 +49,8 @@ class EngineFailure(SidecarError):
 
 class DiscoveryError(SidecarError):
     """Discovery found an engine Rankgate must not serve: wrong API, bad topology, drift."""
+
+
+class BadEngineResponse(SidecarError):
+    """An engine answered outside the contract, e.g. a disaggregated prefill that finished
+    without the ``kv_transfer_params`` its decode needs: the gateway cannot go on (HTTP 502)."""

@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar import engine as engine_module
 from sidecar.convert import CACHE_SALT_PREFIX
 from sidecar.engine import UNPINNED_RANK
 from sidecar.errors import (
@@ -290,12 +289,11 @@ async def test_decode_handoff_is_read_until_its_first_token(
     assert fake.fake.aborts == []
 
 
-async def test_stuck_decode_handoff_falls_back_to_control_abort(
-    fake: FakeServer, start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+async def test_stuck_decode_handoff_is_dropped_at_its_timeout(
+    fake: FakeServer, start_sidecar: StartSidecar
 ) -> None:
-    monkeypatch.setattr(engine_module, "HANDOFF_WAIT_S", 0.2)
     fake.fake.token_delay = 30.0  # the first token never comes by itself
-    sidecar = await start_sidecar()
+    sidecar = await start_sidecar(decode_handoff_timeout=0.3)
     handoff = request("h", kv_transfer_params={"do_remote_prefill": True})
     stream = sidecar.generate(handoff)
     reading = asyncio.ensure_future(anext(stream))
@@ -304,8 +302,15 @@ async def test_stuck_decode_handoff_falls_back_to_control_abort(
     with pytest.raises(asyncio.CancelledError):
         await reading
     await stream.aclose()
-    await eventually(lambda: fake.fake.aborts == ["h-0"])
+    loop = asyncio.get_running_loop()
+    left = loop.time()
+    await asyncio.sleep(0.15)
+    assert "h-0" in fake.fake.active
     await eventually(lambda: not fake.fake.active)
+    assert 0.25 <= loop.time() - left < 2.0
+    # Dropped, never aborted through Control: a dropped stream is the whole contract.
+    assert fake.fake.aborts == []
+    assert fake.fake.dropped == ["h-0"]
     await eventually(lambda: sidecar.in_flight() == {0: 0, 1: 0})
 
 
