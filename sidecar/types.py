@@ -69,6 +69,9 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes | None = None
     url: str | None = None
     num_tokens: int | None = None
+    # Index of this image's placeholder token in ``prompt_token_ids``, when the app knows it:
+    # lets the router expand the image in place and match the blocks it fills.
+    position: int | None = None
 
 
 class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -57,8 +57,9 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     pending_ttl: float = 5.0
     # Offloaded-tier index entries allowed per rank, as a multiple of its device blocks.
     offload_index_factor: float = 4.0
-    # The model's image placeholder token id, used to find each image in a token prompt;
-    # without it, prompts with images are matched on none of their blocks.
+    # The model's image placeholder token id, used to find each image in a token prompt when
+    # the request does not give ``MediaInput.position``; with neither, prompts with images are
+    # matched on none of their blocks.
     image_token_id: int | None = None
     intake: IntakeSettings = IntakeSettings()
 
@@ -381,8 +382,11 @@ class KvRouter(_CountingRouter):
         if last is not None and last[0] is request:
             return last[1]
         topology = self._require_topology()
-        positions = None
-        if request.media and self.config.image_token_id is not None:
+        positions: list[int] | None = None
+        media = request.media
+        if media and all(item.position is not None for item in media):
+            positions = [item.position for item in media if item.position is not None]
+        elif media and self.config.image_token_id is not None:
             image = self.config.image_token_id
             positions = [i for i, token in enumerate(request.prompt_token_ids) if token == image]
         keys = prompt_keys(

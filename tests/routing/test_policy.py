@@ -156,6 +156,26 @@ async def test_images_fold_their_identity_into_the_blocks(event_rig: RigFactory)
     assert rig.route(prompt, media=unknown_size)[1] == 4
 
 
+async def test_images_placed_by_the_request_need_no_token_id(event_rig: RigFactory) -> None:
+    rig = await event_rig(config=PROBE)
+    uuid_a = "c" * 64
+    engine_tokens = [1, 2, 3, 4, 5, 6, *[42] * 8, 7, 8]
+    rig.publishers[0].publish(
+        [
+            stored(
+                [21, 22, 23, 24],
+                engine_tokens,
+                block_size=BLOCK,
+                extra_keys=[None, [[uuid_a, -2]], [[uuid_a, -2]], [[uuid_a, -2]]],
+            )
+        ]
+    )
+    await rig.settle(0, 1)
+    prompt = [1, 2, 3, 4, 5, 6, 42, 7, 8, 9]
+    assert rig.route(prompt, media=[MediaInput(uuid=uuid_a, num_tokens=8, position=6)]) == (0, 16)
+    assert rig.route(prompt, media=[MediaInput(uuid=uuid_a, num_tokens=8)])[1] == 0
+
+
 async def test_baselines() -> None:
     registry = CollectorRegistry()
     info = engine_info((0, 1, 2))
