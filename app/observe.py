@@ -1,0 +1,156 @@
+"""One OpenAI request's story, from arrival to its last byte, told to metrics and the access log.
+
+A route opens a :class:`RequestRecord` when the request arrives, wraps the engine's delta
+stream in :class:`Tracked` (which notes the first and last token, the token counts, and the
+rank and cached prefix the sidecar reports on each choice's first delta), and closes it with
+the response's status. Everything is read off values the stream already carries, so a token
+costs two clock reads and a few attribute stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from time import perf_counter
+
+from starlette.requests import Request
+
+from app.access_log import AccessLog
+from app.metrics import GatewayMetrics, Observation
+from app.respond.merge import close_stream
+from sidecar.types import Delta
+
+
+class RequestRecord:
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "endpoint",
+        "finished",
+        "first_token",
+        "last_token",
+        "model",
+        "n",
+        "prompt_tokens",
+        "rank",
+        "ranks",
+        "request_id",
+        "started",
+        "stream",
+        "submitted",
+    )
+
+    def __init__(self, endpoint: str, request_id: str) -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.started = perf_counter()
+        self.model = ""
+        self.stream = False
+        self.n = 1
+        self.submitted = 0.0
+        self.first_token = 0.0
+        self.last_token = 0.0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        # The first choice's rank; ``ranks`` lists every prompt's when they differ.
+        self.rank: int | None = None
+        self.ranks: list[int | None] | None = None
+        self.finished = False
+
+    def on_first_delta(self, delta: Delta) -> None:
+        """A choice's first delta: count its prompt once per prompt (choice 0 of each)."""
+        if delta.index % self.n:
+            return
+        self.prompt_tokens += delta.prompt_tokens or 0
+        self.cached_tokens += delta.cached_tokens or 0
+        if delta.index == 0:
+            self.rank = delta.rank
+        elif self.ranks is not None:
+            self.ranks.append(delta.rank)
+        elif delta.rank != self.rank:
+            self.ranks = [self.rank, delta.rank]
+
+    def timings(self) -> tuple[float, float, float, float]:
+        """Seconds: total, queue, time to first token, mean inter-token latency."""
+        end = perf_counter()
+        started = self.started
+        queue = self.submitted - started if self.submitted else 0.0
+        ttft = self.first_token - started if self.first_token else 0.0
+        inter = 0.0
+        per_choice = self.completion_tokens // max(1, self.n)
+        if per_choice > 1 and self.last_token > self.first_token:
+            inter = (self.last_token - self.first_token) / (per_choice - 1)
+        return end - started, queue, ttft, inter
+
+
+class Tracked:
+    """The engine's delta stream, unchanged, with its timings and counts noted on the record."""
+
+    __slots__ = ("_inner", "_record")
+
+    def __init__(self, inner: AsyncIterator[Delta], record: RequestRecord) -> None:
+        self._inner = inner
+        self._record = record
+        record.submitted = perf_counter()
+
+    def __aiter__(self) -> Tracked:
+        return self
+
+    async def __anext__(self) -> Delta:
+        delta = await self._inner.__anext__()
+        record = self._record
+        if delta.token_ids:
+            now = perf_counter()
+            if not record.first_token:
+                record.first_token = now
+            record.last_token = now
+        if delta.prompt_tokens is not None:
+            record.on_first_delta(delta)
+        if delta.completion_tokens is not None:
+            record.completion_tokens += delta.completion_tokens
+        return delta
+
+    async def aclose(self) -> None:
+        await close_stream(self._inner)
+
+
+class RequestObserver:
+    """Turns finished records into metrics and (when enabled) one access-log line each."""
+
+    __slots__ = ("access_log", "metrics")
+
+    def __init__(self, metrics: GatewayMetrics, access_log: AccessLog | None) -> None:
+        self.metrics = metrics
+        self.access_log = access_log
+
+    def begin(self, endpoint: str, request_id: str) -> RequestRecord:
+        self.metrics.in_flight.inc()
+        return RequestRecord(endpoint, request_id)
+
+    def finish(self, record: RequestRecord, status: int) -> None:
+        """Close ``record`` with the status the client saw; a second call does nothing."""
+        if record.finished:
+            return
+        record.finished = True
+        self.metrics.in_flight.dec()
+        total, queue, ttft, inter = record.timings()
+        self.metrics.observe(
+            Observation(
+                record.endpoint,
+                status,
+                record.model,
+                total,
+                queue,
+                ttft,
+                inter,
+                record.prompt_tokens,
+                record.completion_tokens,
+            )
+        )
+        if self.access_log is not None:
+            self.access_log.request(record, status, total, queue, ttft)
+
+
+def observer_of(request: Request) -> RequestObserver:
+    observer: RequestObserver = request.app.state.observer
+    return observer

@@ -1,0 +1,39 @@
+"""``X-Request-Id``: taken from the client when it is a safe token, made up otherwise.
+
+The id names the request in the access log, in the response's ``X-Request-Id`` header and,
+unless the body names its own ``request_id``, in vLLM. It is echoed in a header and written to
+logs, so it is limited to a short run of characters that can neither break a header nor forge
+a log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from app.errors import ApiError, invalid
+
+HEADER = "x-request-id"
+MAX_LENGTH = 128
+_SAFE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+def new_request_id() -> str:
+    return os.urandom(12).hex()
+
+
+def is_safe(value: str) -> bool:
+    return _SAFE.fullmatch(value) is not None
+
+
+def from_header(value: str | None) -> tuple[str, ApiError | None]:
+    """The request's id, and the error to answer with when the client's id is unusable."""
+    if value is None:
+        return new_request_id(), None
+    if is_safe(value):
+        return value, None
+    return new_request_id(), invalid(
+        f"header '{HEADER}' must be 1 to {MAX_LENGTH} characters from A-Z, a-z, 0-9 and '._:@/+=-'",
+        param=HEADER,
+        code="invalid_request_id",
+    )
