@@ -42,13 +42,14 @@ def split_prompts(value: str | list[object]) -> list[Prompt]:
         return [value]
     if not value:
         raise invalid("'prompt' must not be an empty list", "prompt")
-    if len(value) > MAX_PROMPTS:
-        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts", "prompt")
     first = value[0]
     if isinstance(first, bool) or not isinstance(first, str | int | list):
         raise invalid("'prompt' items must be strings, token ids or token-id lists", "prompt[0]")
     if isinstance(first, int):
+        # A flat array of token ids is one prompt, however long.
         return [_token_list(value, "prompt")]
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts", "prompt")
     prompts: list[Prompt] = []
     for i, item in enumerate(value):
         where = f"prompt[{i}]"

@@ -173,8 +173,7 @@ class GatewayClient:
     ) -> tuple[float, list[int]]:
         body = {
             "model": self._model,
-            # A batch of one token array: the flat form is refused past 256 tokens (app bug).
-            "prompt": [list(prompt)],
+            "prompt": list(prompt),
             "max_tokens": out,
             "min_tokens": out,
             "ignore_eos": True,
