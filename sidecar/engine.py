@@ -4,7 +4,9 @@ The app sees only this class. It waits for vLLM's health, discovers and validate
 then keeps watching: readiness drops while vLLM is unhealthy, and on recovery the engine is
 re-discovered and must still be the same model with the same layout. Generation fans out
 OpenAI ``n`` as ``n`` engine streams, pins each to the router's rank and interleaves their
-deltas; closing the generator drops every stream at once, which makes vLLM abort them.
+deltas; closing the generator drops every stream at once, which makes vLLM abort them. A
+request that does not stream (``PreparedRequest.stream`` false) uses unary ``Generate`` calls
+instead: one reply per choice rather than one message per token, dropped the same way.
 """
 
 from __future__ import annotations
@@ -308,12 +310,41 @@ class Sidecar:
         messages = encoder.encode(request)
         handoff = decode_handoff or is_decode_handoff(request)
         want_logprobs = request.output.logprobs is not None
+        unary = not request.stream and not handoff
         legs: list[_Leg] = []
         reads: dict[asyncio.Task[Any], _Leg] = {}
         try:
             for choice, message in enumerate(messages):
-                legs.append(self._launch(request, choice, message, want_logprobs, handoff))
-            if len(legs) == 1 and not handoff:
+                legs.append(self._launch(request, choice, message, want_logprobs, handoff, unary))
+            if unary and len(legs) == 1:
+                # One reply message instead of one per token: a fraction of the gRPC work.
+                leg = legs[0]
+                try:
+                    response = await leg.call
+                except grpc.aio.AioRpcError as error:
+                    raise self._failure(leg, error) from None
+                except asyncio.CancelledError:
+                    if self._preempted(leg):
+                        raise self._shutdown_error() from None
+                    raise
+                yield self._on_reply(leg, response)
+            elif unary:
+                for leg in legs:
+                    reads[asyncio.ensure_future(leg.call)] = leg
+                while reads:
+                    done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        leg = reads.pop(task)
+                        try:
+                            response = task.result()
+                        except grpc.aio.AioRpcError as error:
+                            raise self._failure(leg, error) from None
+                        except asyncio.CancelledError:
+                            if self._preempted(leg):
+                                raise self._shutdown_error() from None
+                            raise
+                        yield self._on_reply(leg, response)
+            elif len(legs) == 1 and not handoff:
                 # The common case reads in the consumer's own task: no extra task per token,
                 # and the call's own iterator, the cheapest way grpc.aio hands out messages.
                 leg = legs[0]
@@ -366,6 +397,7 @@ class Sidecar:
         message: Any,
         want_logprobs: bool,
         handoff: bool,
+        unary: bool = False,
     ) -> _Leg:
         assert self._pool is not None
         ticket = self._router.route(request, choice)
@@ -374,7 +406,11 @@ class Sidecar:
         if rank is not None:
             metadata = self._rank_metadata.get(rank) or ((RANK_METADATA_KEY, str(rank)),)
         try:
-            call = self._pool.pick().inference.GenerateStream(message, metadata=metadata)
+            inference = self._pool.pick().inference
+            if unary:
+                call = inference.Generate(message, metadata=metadata)
+            else:
+                call = inference.GenerateStream(message, metadata=metadata)
         except BaseException:
             ticket.finished()
             raise
@@ -390,7 +426,21 @@ class Sidecar:
         )
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         self._legs[leg.request_id] = leg
+        if unary:
+            # A unary reply hides when prefill ends. Counting the request as decoding from
+            # the start errs by its prefill time; counting it as prefilling until the reply
+            # would overstate its load tenfold for the whole of its decode.
+            leg.started = True
+            ticket.first_token()
         return leg
+
+    def _on_reply(self, leg: _Leg, response: Any) -> Delta:
+        """The whole output of a unary call as one delta; a reply without a finish is an
+        engine failure, as a stream that ends early is."""
+        delta = self._on_response(leg, response)
+        if delta is None or not leg.done:
+            raise self._truncated(leg)
+        return delta
 
     def _on_response(self, leg: _Leg, response: Any) -> Delta | None:
         delta = leg.decoder.feed(response)

@@ -95,6 +95,9 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     media: tuple[MediaInput, ...] = ()
     kv_transfer_params: dict[str, Any] | None = None
     rank: int | None = None
+    # False when the caller wants only the finished output (a non-streaming response): the
+    # sidecar may then answer each choice with one whole-output delta from a unary call.
+    stream: bool = True
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
