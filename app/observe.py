@@ -23,6 +23,7 @@ from sidecar.types import Delta
 class RequestRecord:
     __slots__ = (
         "cached_tokens",
+        "client_named",
         "completion_tokens",
         "endpoint",
         "finished",
@@ -39,9 +40,11 @@ class RequestRecord:
         "submitted",
     )
 
-    def __init__(self, endpoint: str, request_id: str) -> None:
+    def __init__(self, endpoint: str, request_id: str, client_named: bool = False) -> None:
         self.endpoint = endpoint
         self.request_id = request_id
+        # Whether the client chose the id (X-Request-Id) rather than the gateway.
+        self.client_named = client_named
         self.started = perf_counter()
         self.model = ""
         self.stream = False
@@ -123,9 +126,9 @@ class RequestObserver:
         self.metrics = metrics
         self.access_log = access_log
 
-    def begin(self, endpoint: str, request_id: str) -> RequestRecord:
+    def begin(self, endpoint: str, request_id: str, client_named: bool = False) -> RequestRecord:
         self.metrics.in_flight.inc()
-        return RequestRecord(endpoint, request_id)
+        return RequestRecord(endpoint, request_id, client_named)
 
     def finish(self, record: RequestRecord, status: int) -> None:
         """Close ``record`` with the status the client saw; a second call does nothing."""

@@ -14,15 +14,18 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from app import __version__
+from app.access_log import AccessLog
 from app.errors import install_error_handlers
 from app.fastpath import FastPath
 from app.gateway import Engine, Gateway, ServingOptions
-from app.metrics import GatewayMetrics
+from app.metrics import EngineProbe, GatewayMetrics
+from app.observe import RequestObserver
 from app.prepare.media import MediaHook
 from app.prepare.tokenizer import TokenizerNotFound, locate_tokenizer
 from app.routes import chat, completions, models, ops
@@ -30,6 +33,11 @@ from app.schemas.openapi import install_openapi
 from app.settings import GatewaySettings
 from multimodal import MediaPreparer
 from sidecar.errors import SidecarError
+from sidecar.routing.shared_load import SharedLoadBoard
+from sidecar.types import EngineInfo
+
+if TYPE_CHECKING:
+    from mocker.config import MockEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +81,12 @@ def create_app(
     *,
     engine: Engine | None = None,
     media: MediaHook | None = None,
+    shared_load: SharedLoadBoard | None = None,
 ) -> FastAPI:
-    """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here."""
+    """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here.
+
+    ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1).
+    """
     registry = CollectorRegistry()
     options = ServingOptions(
         tokenizer=settings.tokenizer,
@@ -92,19 +104,21 @@ def create_app(
                     locate_tokenizer(settings.tokenizer, "")
                 serving = engine
                 if serving is None:
-                    serving = await _start_sidecar(settings, registry, options, stack)
+                    serving = await _start_sidecar(settings, registry, options, stack, shared_load)
                 hook = media
                 if hook is None:
                     preparer = MediaPreparer(settings.media)
                     stack.push_async_callback(preparer.aclose)
                     hook = preparer
                 app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+                app.state.metrics.watch_engine(_engine_probe(serving))
             except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
                 log.error("startup failed: %s", getattr(exc, "message", None) or exc)
                 raise
             try:
                 yield
             finally:
+                app.state.metrics.watch_engine(None)
                 app.state.gateway = None
 
     app = FastAPI(
@@ -118,6 +132,9 @@ def create_app(
     app.state.gateway = None
     app.state.registry = registry
     app.state.metrics = GatewayMetrics(registry)
+    app.state.observer = RequestObserver(
+        app.state.metrics, AccessLog() if settings.access_log else None
+    )
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.add_middleware(
@@ -138,6 +155,7 @@ async def _start_sidecar(
     registry: CollectorRegistry,
     options: ServingOptions,
     stack: AsyncExitStack,
+    shared_load: SharedLoadBoard | None,
 ) -> Engine:
     from sidecar.config import SidecarConfig
     from sidecar.engine import Sidecar
@@ -146,7 +164,11 @@ async def _start_sidecar(
     endpoint = settings.engine
     if endpoint is None:
         endpoint = await _start_mock(settings, stack)
-    router = build_router(RoutingConfig(policy=settings.policy), registry)  # type: ignore[arg-type]
+    router = build_router(
+        RoutingConfig(policy=settings.policy),  # type: ignore[arg-type]
+        registry,
+        shared_load,
+    )
     sidecar = Sidecar(
         SidecarConfig(
             endpoint=endpoint,
@@ -160,12 +182,29 @@ async def _start_sidecar(
     return sidecar
 
 
+def _engine_probe(engine: Engine) -> EngineProbe:
+    def probe() -> tuple[bool, EngineInfo | None]:
+        ready = engine.ready
+        return ready, engine.info if ready else None
+
+    return probe
+
+
 async def _start_mock(settings: GatewaySettings, stack: AsyncExitStack) -> str:
-    from mocker.config import MockEngineConfig
     from mocker.testing import running_mock_engine
 
+    config = mock_engine_config(settings)
+    handle = await asyncio.to_thread(stack.enter_context, running_mock_engine(config))
+    log.info("started the bundled mock engine (DP=%d, KV events on) at %s", MOCK_DP, handle.target)
+    return str(handle.target)
+
+
+def mock_engine_config(settings: GatewaySettings) -> MockEngineConfig:
+    """The bundled mock engine's configuration (no ``--engine``): DP=2 on free loopback ports."""
+    from mocker.config import MockEngineConfig
+
     tokenizer = settings.tokenizer or str(tiny_tokenizer_dir())
-    config = MockEngineConfig(
+    return MockEngineConfig(
         host="127.0.0.1",
         port=_free_port(),
         dp_size=MOCK_DP,
@@ -176,6 +215,3 @@ async def _start_mock(settings: GatewaySettings, stack: AsyncExitStack) -> str:
         kv_replay_port=_free_port_pair(),
         speed=settings.mock_speed,
     )
-    handle = await asyncio.to_thread(stack.enter_context, running_mock_engine(config))
-    log.info("started the bundled mock engine (DP=%d, KV events on) at %s", MOCK_DP, handle.target)
-    return str(handle.target)

@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.errors import status_of
+from app.observe import RequestRecord, Tracked, observer_of
 from app.respond.complete import chat_completion
 from app.respond.context import ResponseContext
 from app.respond.logprobs import LogprobFormatter
@@ -17,11 +17,10 @@ from app.respond.stream import chat_events, guarded
 from app.routes.common import (
     decode_body,
     gateway_of,
-    metrics_of,
-    new_id,
     pinned_rank,
     unless_disconnected,
 )
+from app.routes.observed import engine_request_id, observed
 from app.schemas.openapi import operation
 from app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
 
@@ -35,24 +34,18 @@ router = APIRouter()
     **operation("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
 )
 async def create_chat_completion(request: Request) -> Response:
-    started = time.perf_counter()
-    metrics = metrics_of(request)
-    try:
-        response = await _serve(request, started)
-    except Exception as exc:
-        metrics.done("chat", status_of(exc), time.perf_counter() - started)
-        raise
-    if not isinstance(response, EventStreamResponse):
-        metrics.done("chat", response.status_code, time.perf_counter() - started)
-    return response
+    return await observed(request, "chat", _serve)
 
 
-async def _serve(request: Request, started: float) -> Response:
+async def _serve(request: Request, record: RequestRecord) -> Response:
     gateway = gateway_of(request)
     req: ChatCompletionRequest = await decode_body(request, CHAT_DECODER)
     target = await gateway.models.resolve(req.model)
     info = gateway.engine.info
-    rid = req.request_id or new_id()
+    record.model = req.model
+    record.stream = req.stream
+    record.n = req.n
+    rid = engine_request_id(record, req.request_id)
     prepared = await gateway.chat.prepare(
         req,
         request_id=rid,
@@ -77,13 +70,13 @@ async def _serve(request: Request, started: float) -> Response:
         ),
         plan=prepared.plan,
     )
-    deltas = await prime(gateway.engine.generate(prepared.request))
+    deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
     gateway.chat.observe(prepared, deltas.first)
     if req.stream:
-        metrics = metrics_of(request)
+        observer = observer_of(request)
 
         def done(status: int) -> None:
-            metrics.done("chat", status, time.perf_counter() - started)
+            observer.finish(record, status)
 
         return EventStreamResponse(guarded(chat_events(ctx, deltas), deltas, done))
     try:

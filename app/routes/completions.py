@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.errors import status_of
+from app.observe import RequestRecord, Tracked, observer_of
 from app.respond.complete import completion
 from app.respond.context import ResponseContext
 from app.respond.logprobs import LogprobFormatter
@@ -18,11 +18,10 @@ from app.respond.stream import completion_events, guarded
 from app.routes.common import (
     decode_body,
     gateway_of,
-    metrics_of,
-    new_id,
     pinned_rank,
     unless_disconnected,
 )
+from app.routes.observed import engine_request_id, observed
 from app.schemas.openapi import operation
 from app.schemas.requests import COMPLETION_DECODER, CompletionRequest
 from sidecar.types import Delta
@@ -37,24 +36,18 @@ router = APIRouter()
     **operation("CompletionRequest", "Completion", "Completion"),
 )
 async def create_completion(request: Request) -> Response:
-    started = time.perf_counter()
-    metrics = metrics_of(request)
-    try:
-        response = await _serve(request, started)
-    except Exception as exc:
-        metrics.done("completions", status_of(exc), time.perf_counter() - started)
-        raise
-    if not isinstance(response, EventStreamResponse):
-        metrics.done("completions", response.status_code, time.perf_counter() - started)
-    return response
+    return await observed(request, "completions", _serve)
 
 
-async def _serve(request: Request, started: float) -> Response:
+async def _serve(request: Request, record: RequestRecord) -> Response:
     gateway = gateway_of(request)
     req: CompletionRequest = await decode_body(request, COMPLETION_DECODER)
     target = await gateway.models.resolve(req.model)
     info = gateway.engine.info
-    rid = req.request_id or new_id()
+    record.model = req.model
+    record.stream = req.stream
+    record.n = req.n
+    rid = engine_request_id(record, req.request_id)
     prepared = await gateway.completions.prepare(
         req,
         request_id=rid,
@@ -85,12 +78,12 @@ async def _serve(request: Request, started: float) -> Response:
         source = engine.generate(prepared.requests[0])
     else:
         source = merged([engine.generate(p) for p in prepared.requests], req.n)
-    deltas = await prime(source)
+    deltas = await prime(Tracked(source, record))
     if req.stream:
-        metrics = metrics_of(request)
+        observer = observer_of(request)
 
         def done(status: int) -> None:
-            metrics.done("completions", status, time.perf_counter() - started)
+            observer.finish(record, status)
 
         return EventStreamResponse(guarded(completion_events(ctx, deltas), deltas, done))
     try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
 from app import __version__
+from app.metrics import GatewayMetrics
 from app.schemas.openapi import json_response
 from app.schemas.responses import Health, Readiness, Version
 
@@ -50,8 +52,13 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    registry: CollectorRegistry = request.app.state.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    gateway_metrics: GatewayMetrics = request.app.state.metrics
+    if gateway_metrics.multiproc_dir is None:
+        body, content_type = gateway_metrics.exposition()
+    else:
+        # Merging every worker's files reads from disk: off the event loop.
+        body, content_type = await asyncio.to_thread(gateway_metrics.exposition)
+    return Response(body, media_type=content_type)
 
 
 @router.get("/version", response_class=Response, responses=json_response("Version"))
