@@ -68,7 +68,7 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def configure_logging(level: str, log_format: LogFormat) -> None:
+def configure_logging(level: str, log_format: str) -> None:
     """One stderr handler on the root logger, in ``log_format``; uvicorn's loggers propagate
     to it (start uvicorn with ``log_config=None``)."""
     if log_format not in LOG_FORMATS:

@@ -7,19 +7,25 @@ underscores), which is how containers configure it; a flag given on the command 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
+from app.access_log import LOG_FORMATS, configure_logging
 from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from app.settings import GatewaySettings
 from multimodal.types import MediaConfig
 
+if TYPE_CHECKING:
+    import socket
+
+    from sidecar.routing.shared_load import SharedLoadBoard
+
 POLICIES = ("kv", "load", "round_robin", "engine")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+MAX_WORKERS = 64
 
 
 def _env(name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
@@ -78,6 +84,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("log_level", d.log_level).lower(),
         help="(default: %(default)s)",
     )
+    a(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_env("log_format", d.log_format).lower(),
+        help="text, or json: one JSON object per line with structured fields "
+        "(default: %(default)s)",
+    )
+    a(
+        "--workers",
+        type=_workers,
+        default=_env("workers", d.workers, _workers),
+        help="gateway processes serving one port, each with its own engine channels and KV-event "
+        "subscribers, sharing per-rank load through shared memory (default: %(default)s)",
+    )
     a("--chat-template", default=_env("chat_template", d.chat_template), help="Jinja template file")
     a(
         "--tool-call-parser",
@@ -101,7 +121,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=_env("access_log", d.access_log, _bool),
-        help="log every HTTP request (default: off; it costs CPU per request)",
+        help="one structured line per OpenAI request: id, rank, tokens, cached tokens, queue/TTFT/"
+        "total ms and status (default: off; it costs CPU per request)",
     )
     a(
         "--mock-speed",
@@ -145,6 +166,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _workers(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"workers must lie in [1, {MAX_WORKERS}]")
+    return value
+
+
 def _networks(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -176,21 +204,34 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         reasoning_parser=args.reasoning_parser or None,
         startup_timeout=args.startup_timeout,
         access_log=args.access_log,
+        log_format=args.log_format,
+        workers=args.workers,
         mock_speed=args.mock_speed,
         media=_media_config(args),
     )
 
 
 def serve(settings: GatewaySettings) -> int:
+    configure_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:
+        from app.workers import run_workers
+
+        return run_workers(settings)
+    return serve_worker(settings)
+
+
+def serve_worker(
+    settings: GatewaySettings,
+    sockets: list[socket.socket] | None = None,
+    shared_load: SharedLoadBoard | None = None,
+) -> int:
+    """One gateway process; ``sockets`` and ``shared_load`` come from the ``--workers``
+    supervisor (:mod:`app.workers`)."""
     import uvicorn
 
     from app.server import create_app
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    app = create_app(settings)
+    app = create_app(settings, shared_load=shared_load)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -198,12 +239,14 @@ def serve(settings: GatewaySettings) -> int:
         loop="uvloop",
         http="httptools",
         log_level=settings.log_level,
-        access_log=settings.access_log,
+        # The access log is app.access_log's structured line, not uvicorn's.
+        access_log=False,
+        log_config=None,
         lifespan="on",
         timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
-    server.run()
+    server.run(sockets=sockets)
     # uvicorn returns normally when startup fails; report that as a failure.
     return 0 if server.started else 1
 

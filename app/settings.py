@@ -22,6 +22,10 @@ class GatewaySettings:
     reasoning_parser: str | None = None
     startup_timeout: float = 600.0
     access_log: bool = False
+    # "text" or "json" (``--log-format``).
+    log_format: str = "text"
+    # Gateway processes on one port (``--workers``); each runs its own sidecar.
+    workers: int = 1
     # The embedded mock engine's timing: 0 = zero latency, 1 = GPU-like.
     mock_speed: float = 1.0
     # Image fetching, validation and identity limits (``--media-mode`` and the image flags).
