@@ -83,8 +83,8 @@ class Gateway:
         )
         if media is not None:
             media.configure(info)
-        self.chat = ChatPreparer(self.tokenizer, self.template, settings, media)
-        self.completions = CompletionPreparer(self.tokenizer)
+        self.chat = ChatPreparer(self.tokenizer, self.template, settings, media, info.ranks)
+        self.completions = CompletionPreparer(self.tokenizer, info.ranks)
         log.info(
             "tokenizer %s; chat template %s; tool-call parser %s; reasoning parser %s",
             directory,

@@ -450,6 +450,7 @@ class Sidecar:
             # A choice's first delta says where it ran (for the access log and metrics).
             delta.rank = None if leg.rank_key == UNPINNED_RANK else leg.rank_key
             delta.cached_tokens = leg.ticket.decision.cached_tokens
+            delta.route = leg.ticket.decision.header()
         if not leg.started and delta.token_ids:
             leg.started = True
             leg.ticket.first_token()

@@ -130,6 +130,9 @@ class Delta(msgspec.Struct, kw_only=True):
     # prompt tokens the router believed that rank held already.
     rank: int | None = None
     cached_tokens: int | None = None
+    # On a choice's first delta: the router's decision as one header value (``RouteDecision
+    # .header()``), which the app returns as ``x-rankgate-route`` for debugging.
+    route: str | None = None
 
 
 class RankCapacity(msgspec.Struct, frozen=True):

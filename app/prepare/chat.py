@@ -17,6 +17,7 @@ from app.prepare.params import (
     stopping_params,
     structured_output,
 )
+from app.prepare.rank import resolve_rank
 from app.prepare.template import ChatTemplate, ContentFormat, TemplateRenderError
 from app.prepare.tokenizer import TextTokenizer
 from app.respond.parsers import OutputPlan, required_tools_schema
@@ -176,8 +177,10 @@ class ChatPreparer:
         template: ChatTemplate | None,
         settings: ChatSettings,
         media: MediaHook | None,
+        ranks: tuple[int, ...] = (),
     ) -> None:
         self._tok = tokenizer
+        self._ranks = ranks
         self._template = template
         self._settings = settings
         self._media = media
@@ -195,6 +198,7 @@ class ChatPreparer:
         rank: int | None,
     ) -> PreparedChat:
         refuse_unsupported(req, _CHAT_REFUSED)
+        rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
         template = self._template
         if template is None:
             raise ApiError(

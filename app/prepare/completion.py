@@ -13,6 +13,7 @@ from app.prepare.params import (
     stopping_params,
     structured_output,
 )
+from app.prepare.rank import resolve_rank
 from app.prepare.tokenizer import TextTokenizer
 from app.schemas.requests import CompletionRequest
 from sidecar.types import OutputOptions, PreparedRequest
@@ -74,8 +75,9 @@ def _token_list(items: list[object], where: str) -> list[int]:
 
 
 class CompletionPreparer:
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, ranks: tuple[int, ...] = ()) -> None:
         self._tok = tokenizer
+        self._ranks = ranks
 
     async def prepare(
         self,
@@ -87,6 +89,7 @@ class CompletionPreparer:
         rank: int | None,
     ) -> PreparedCompletion:
         refuse_unsupported(req, _COMPLETION_REFUSED)
+        rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "is supported only when equal to n")
         if req.echo and req.logprobs is not None:

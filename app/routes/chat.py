@@ -21,6 +21,7 @@ from app.routes.common import (
     unless_disconnected,
 )
 from app.routes.observed import engine_request_id, observed
+from app.routes.route_header import route_headers
 from app.schemas.openapi import operation
 from app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
 
@@ -72,17 +73,18 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     )
     deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
     gateway.chat.observe(prepared, deltas.first)
+    headers = route_headers(deltas.first)
     if req.stream:
         observer = observer_of(request)
 
         def done(status: int) -> None:
             observer.finish(record, status)
 
-        return EventStreamResponse(guarded(chat_events(ctx, deltas), deltas, done))
+        return EventStreamResponse(guarded(chat_events(ctx, deltas), deltas, done), headers)
     try:
         body = await unless_disconnected(request, chat_completion(ctx, deltas))
     finally:
         await close_stream(deltas)
     if body is None:
         return Response(status_code=499)
-    return Response(body, media_type="application/json")
+    return Response(body, media_type="application/json", headers=headers)

@@ -202,6 +202,8 @@ class SamplingFields(Struct, **_STRICT):
     truncate_prompt_tokens: PosInt | None = None
     kv_transfer_params: dict[str, Any] | None = None
     request_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    # Pins a data-parallel rank, like the ``x-data-parallel-rank`` header (Rankgate extension).
+    data_parallel_rank: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     return_tokens_as_token_ids: bool = False
     add_special_tokens: bool | None = None
     # OpenAI fields accepted for compatibility that change nothing here.

@@ -1,0 +1,22 @@
+"""The ``x-rankgate-route`` response header: where the router sent a request, and why.
+
+The sidecar puts each choice's routing decision on that choice's first delta; the response
+carries the decision of the choice that answered first, which is choice 0 unless ``n`` or a
+prompt batch fans the request out (then ``;choice=k`` says which one it was). The value was
+built once per engine request by the sidecar, so this costs a dict per response.
+"""
+
+from __future__ import annotations
+
+from sidecar.types import Delta
+
+ROUTE_HEADER = "x-rankgate-route"
+
+
+def route_headers(first: Delta | None) -> dict[str, str] | None:
+    """The header for a response whose primed first delta is ``first`` (None: no header)."""
+    if first is None or first.route is None:
+        return None
+    if first.index:
+        return {ROUTE_HEADER: f"{first.route};choice={first.index}"}
+    return {ROUTE_HEADER: first.route}
