@@ -111,7 +111,7 @@ class AccessLog:
             "completion_tokens": record.completion_tokens,
             "cached_tokens": record.cached_tokens,
             "queue_ms": round(queue * 1000.0, 3),
-            "ttft_ms": round(ttft * 1000.0, 3),
+            "ttft_ms": round(ttft * 1000.0, 3) if ttft else None,
             "total_ms": round(total * 1000.0, 3),
         }
         if record.ranks is not None:

@@ -199,14 +199,14 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "rankgate_time_to_first_token_seconds",
-            "Time from request to the engine's first token.",
+            "Time from request to the engine's first token (streamed requests).",
             ("endpoint",),
             registry=registry,
             buckets=TTFT_BUCKETS,
         )
         self.inter_token = Histogram(
             "rankgate_inter_token_latency_seconds",
-            "Mean time between tokens after the first, one observation per request.",
+            "Mean time between tokens after the first, one observation per streamed request.",
             ("endpoint",),
             registry=registry,
             buckets=ITL_BUCKETS,
@@ -264,10 +264,6 @@ class GatewayMetrics:
             series.prompt.inc(done.prompt_tokens)
         if done.completion_tokens:
             series.completion.inc(done.completion_tokens)
-
-    def done(self, endpoint: str, status: int, seconds: float) -> None:
-        """A request known only by its status and duration (no engine stream observed)."""
-        self.observe(Observation(endpoint, status, "", seconds, 0.0, 0.0, 0.0, 0, 0))
 
     def _bind(self, key: tuple[str, int, str]) -> Counter:
         endpoint, status, model = key

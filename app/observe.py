@@ -74,11 +74,16 @@ class RequestRecord:
             self.ranks = [self.rank, delta.rank]
 
     def timings(self) -> tuple[float, float, float, float]:
-        """Seconds: total, queue, time to first token, mean inter-token latency."""
+        """Seconds: total, queue, time to first token and mean inter-token latency (0 when
+        not measured)."""
         end = perf_counter()
         started = self.started
         queue = self.submitted - started if self.submitted else 0.0
-        ttft = self.first_token - started if self.first_token else 0.0
+        if not self.stream or not self.first_token:
+            # A request that does not stream gets its whole output at once (vLLM's unary
+            # Generate): there is no first token to time.
+            return end - started, queue, 0.0, 0.0
+        ttft = self.first_token - started
         inter = 0.0
         per_choice = self.completion_tokens // max(1, self.n)
         if per_choice > 1 and self.last_token > self.first_token:

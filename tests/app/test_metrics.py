@@ -1,0 +1,173 @@
+"""``/metrics`` through HTTP: each series moves as requests go through the gateway (real
+sidecar and router in front of the mock engine), and the multi-process exposition merges
+workers without double counting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+from prometheus_client import multiprocess
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.engines import EngineUnderTest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def scrape(http: httpx.Client) -> str:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return response.text
+
+
+def _stream_usage(http: httpx.Client, body: dict[str, object]) -> dict[str, int]:
+    usage: dict[str, int] = {}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = orjson.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    return usage
+
+
+def test_request_series_follow_requests(
+    mock_vllm: EngineUnderTest, mock_http: httpx.Client
+) -> None:
+    model = mock_vllm.served_model_name
+    before = scrape(mock_http)
+    usage = _stream_usage(
+        mock_http,
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "count the metrics for me"}],
+            "max_tokens": 12,
+            "min_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    plain = mock_http.post(
+        "/v1/completions", json={"model": model, "prompt": "metrics please", "max_tokens": 5}
+    )
+    assert plain.status_code == 200
+    plain_usage = plain.json()["usage"]
+    bad = mock_http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1})
+    assert bad.status_code == 400
+    after = scrape(mock_http)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("rankgate_http_requests_total", endpoint="chat", status="200", model=model) == 1
+    assert (
+        moved("rankgate_http_requests_total", endpoint="completions", status="200", model=model)
+        == 1
+    )
+    # The refusal came before the model was resolved: no client-chosen label value.
+    assert moved("rankgate_http_requests_total", endpoint="completions", status="400") == 1
+    assert usage["completion_tokens"] == 12
+    assert moved("rankgate_completion_tokens_total", endpoint="chat") == 12
+    assert moved("rankgate_prompt_tokens_total", endpoint="chat") == usage["prompt_tokens"]
+    assert moved("rankgate_completion_tokens_total", endpoint="completions") == 5
+    assert (
+        moved("rankgate_prompt_tokens_total", endpoint="completions")
+        == plain_usage["prompt_tokens"]
+    )
+    # Latency, queue and routing are observed for both; TTFT and inter-token for the stream.
+    for endpoint in ("chat", "completions"):
+        assert moved("rankgate_http_request_duration_seconds_count", endpoint=endpoint) >= 1
+        assert moved("rankgate_request_queue_seconds_count", endpoint=endpoint) == 1
+    assert moved("rankgate_time_to_first_token_seconds_count", endpoint="chat") == 1
+    assert moved("rankgate_inter_token_latency_seconds_count", endpoint="chat") == 1
+    assert moved("rankgate_time_to_first_token_seconds_count", endpoint="completions") == 0
+    assert moved("rankgate_routing_requests_total") == 2
+    assert moved("rankgate_routing_cached_prefix_ratio_count") == 2
+    assert value(after, "rankgate_http_requests_in_flight") == 0
+    # Per-rank series exist for every served rank.
+    for rank in range(mock_vllm.dp_size):
+        assert f'rankgate_routing_in_flight_requests{{rank="{rank}"}}' in after
+    assert value(after, "rankgate_engine_ready") == 1
+    assert value(after, "rankgate_engine_info", model=model, dp_size=str(mock_vllm.dp_size)) == 1
+
+
+def test_engine_health_goes_down_with_the_engine(
+    mock_vllm: EngineUnderTest, mock_http: httpx.Client
+) -> None:
+    assert mock_vllm.mock is not None
+    mock_vllm.mock.faults.set_serving(False)
+    try:
+        for _ in range(100):
+            if value(scrape(mock_http), "rankgate_engine_ready") == 0:
+                break
+            time.sleep(0.1)
+        assert value(scrape(mock_http), "rankgate_engine_ready") == 0
+    finally:
+        mock_vllm.mock.faults.set_serving(True)
+    for _ in range(100):
+        if mock_http.get("/ready").status_code == 200:
+            break
+        time.sleep(0.1)
+    assert value(scrape(mock_http), "rankgate_engine_ready") == 1
+
+
+_MULTIPROCESS = """
+import sys
+from prometheus_client import CollectorRegistry
+from app.metrics import GatewayMetrics, Observation
+from sidecar.routing.metrics import routing_metrics
+
+registry = CollectorRegistry()
+metrics = GatewayMetrics(registry)
+routing_metrics(registry).set_view(None)
+metrics.observe(Observation("chat", 200, "m", 0.5, 0.001, 0.1, 0.01, 7, int(sys.argv[1])))
+metrics.in_flight.inc(int(sys.argv[1]))
+if sys.argv[1] == "3":
+    sys.stdout.write(metrics.exposition()[0].decode())
+"""
+
+
+def test_workers_metrics_merge_without_double_counting(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-c", _MULTIPROCESS, "2"], cwd=ROOT, env=env)
+    assert first.wait(60) == 0
+    # What the --workers supervisor does when a worker exits.
+    multiprocess.mark_process_dead(first.pid, str(tmp_path))  # type: ignore[no-untyped-call]
+    out = subprocess.run(
+        [sys.executable, "-c", _MULTIPROCESS, "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    text = out.stdout
+    # Two processes' counters and histograms are summed once each...
+    assert value(text, "rankgate_http_requests_total", endpoint="chat", status="200") == 2
+    assert value(text, "rankgate_completion_tokens_total", endpoint="chat") == 5
+    assert value(text, "rankgate_prompt_tokens_total", endpoint="chat") == 14
+    assert value(text, "rankgate_time_to_first_token_seconds_count", endpoint="chat") == 2
+    # ...the in-flight gauge counts live processes only (the first one has exited)...
+    assert value(text, "rankgate_http_requests_in_flight") == 3
+    # ...and the scraped worker's own live views are added once.
+    assert text.count("# TYPE rankgate_engine_ready gauge") == 1
+    assert text.count("# TYPE rankgate_http_requests_total counter") == 1
