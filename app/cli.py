@@ -63,6 +63,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM gRPC endpoint HOST:PORT; without it the bundled mock engine runs in-process",
     )
     a(
+        "--prefill-engine",
+        default=_env("prefill_engine", d.prefill_engine),
+        help="disaggregated serving: the prefill vLLM's gRPC endpoint HOST:PORT (with "
+        "--decode-engine; instead of --engine)",
+    )
+    a(
+        "--decode-engine",
+        default=_env("decode_engine", d.decode_engine),
+        help="disaggregated serving: the decode vLLM's gRPC endpoint HOST:PORT",
+    )
+    a(
+        "--disaggregated",
+        action=argparse.BooleanOptionalAction,
+        default=_env("disaggregated", d.disaggregated, _bool),
+        help="without --prefill-engine/--decode-engine: run a bundled prefill/decode pair of "
+        "mock engines (default: off)",
+    )
+    a(
+        "--decode-handoff-timeout",
+        type=float,
+        default=_env("decode_handoff_timeout", d.decode_handoff_timeout, float),
+        help="seconds a disaggregated decode whose client left is still read for its first "
+        "token, so its KV transfer completes (default: %(default)s)",
+    )
+    a(
         "--tokenizer",
         default=_env("tokenizer", d.tokenizer),
         help="tokenizer directory (default: the model dir vLLM reports, or the local HF cache)",
@@ -191,10 +216,21 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    try:
+        return _settings(args)
+    except ValueError as exc:
+        raise SystemExit(f"invalid options: {exc}") from None
+
+
+def _settings(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         host=args.host,
         port=args.port,
         engine=args.engine or None,
+        prefill_engine=args.prefill_engine or None,
+        decode_engine=args.decode_engine or None,
+        disaggregated=args.disaggregated,
+        decode_handoff_timeout=args.decode_handoff_timeout,
         tokenizer=args.tokenizer or None,
         served_model_name=args.served_model_name or None,
         policy=args.policy,

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from sidecar.errors import (
+    BadEngineResponse,
     DiscoveryError,
     EngineFailure,
     EngineOverloaded,
@@ -155,6 +156,8 @@ def from_sidecar(exc: SidecarError) -> ApiError:
         )
     if isinstance(exc, EngineFailure):
         return ApiError(500, exc.message, type=SERVER_ERROR, code="engine_failure")
+    if isinstance(exc, BadEngineResponse):
+        return ApiError(502, exc.message, type=SERVER_ERROR, code="bad_engine_response")
     return ApiError(500, exc.message, type=SERVER_ERROR, code="internal_error")
 
 

@@ -161,6 +161,8 @@ async def _start_sidecar(
     from sidecar.engine import Sidecar
     from sidecar.routing.policy import RoutingConfig, build_router
 
+    if settings.split_serving:
+        return await _start_disaggregated(settings, registry, stack, shared_load)
     endpoint = settings.engine
     if endpoint is None:
         endpoint = await _start_mock(settings, stack)
@@ -174,6 +176,7 @@ async def _start_sidecar(
             endpoint=endpoint,
             startup_timeout=settings.startup_timeout,
             served_model_name=settings.served_model_name,
+            decode_handoff_timeout=settings.decode_handoff_timeout,
         ),
         router,
     )
@@ -190,17 +193,62 @@ def _engine_probe(engine: Engine) -> EngineProbe:
     return probe
 
 
-async def _start_mock(settings: GatewaySettings, stack: AsyncExitStack) -> str:
+async def _start_disaggregated(
+    settings: GatewaySettings,
+    registry: CollectorRegistry,
+    stack: AsyncExitStack,
+    shared_load: SharedLoadBoard | None,
+) -> Engine:
+    """Two sidecars, each with its own router. Only the decode side's routing metrics are
+    exported and shared between workers: both sides' ranks would share the same labels and
+    load-board slots."""
+    from sidecar.config import SidecarConfig
+    from sidecar.disagg import DisaggregatedEngine, Side, routing_for
+    from sidecar.engine import Sidecar
+    from sidecar.routing.policy import build_router
+
+    prefill, decode = settings.prefill_engine, settings.decode_engine
+    if prefill is None or decode is None:
+        prefill = await _start_mock(settings, stack, role="prefill")
+        decode = await _start_mock(settings, stack, role="decode")
+
+    def side(
+        endpoint: str, role: Side, metrics: CollectorRegistry, load: SharedLoadBoard | None
+    ) -> Sidecar:
+        config = SidecarConfig(
+            endpoint=endpoint,
+            startup_timeout=settings.startup_timeout,
+            served_model_name=settings.served_model_name,
+            decode_handoff_timeout=settings.decode_handoff_timeout,
+        )
+        return Sidecar(config, build_router(routing_for(role, settings.policy), metrics, load))
+
+    engine = DisaggregatedEngine(
+        side(prefill, "prefill", CollectorRegistry(), None),
+        side(decode, "decode", registry, shared_load),
+    )
+    await engine.start()
+    stack.push_async_callback(engine.close)
+    return engine
+
+
+async def _start_mock(settings: GatewaySettings, stack: AsyncExitStack, role: str = "both") -> str:
     from mocker.testing import running_mock_engine
 
-    config = mock_engine_config(settings)
+    config = mock_engine_config(settings, role)
     handle = await asyncio.to_thread(stack.enter_context, running_mock_engine(config))
-    log.info("started the bundled mock engine (DP=%d, KV events on) at %s", MOCK_DP, handle.target)
+    log.info(
+        "started the bundled mock engine (DP=%d, KV events on, role %s) at %s",
+        MOCK_DP,
+        role,
+        handle.target,
+    )
     return str(handle.target)
 
 
-def mock_engine_config(settings: GatewaySettings) -> MockEngineConfig:
-    """The bundled mock engine's configuration (no ``--engine``): DP=2 on free loopback ports."""
+def mock_engine_config(settings: GatewaySettings, role: str = "both") -> MockEngineConfig:
+    """The bundled mock engine's configuration (no ``--engine``): DP=2 on free loopback ports;
+    ``role`` prefill or decode for the ``--disaggregated`` pair."""
     from mocker.config import MockEngineConfig
 
     tokenizer = settings.tokenizer or str(tiny_tokenizer_dir())
@@ -214,4 +262,5 @@ def mock_engine_config(settings: GatewaySettings) -> MockEngineConfig:
         kv_events_port=_free_port_pair(),
         kv_replay_port=_free_port_pair(),
         speed=settings.mock_speed,
+        role=role,  # type: ignore[arg-type]
     )

@@ -13,6 +13,13 @@ class GatewaySettings:
     port: int = 8000
     # vLLM gRPC endpoint; None starts the bundled mock engine in-process.
     engine: str | None = None
+    # Disaggregated serving: prefill on one vLLM frontend, decode on another (both or neither).
+    # ``disaggregated`` without them starts a bundled prefill/decode pair of mock engines.
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    disaggregated: bool = False
+    # Seconds a decode request whose client left is still read for its first token.
+    decode_handoff_timeout: float = 30.0
     tokenizer: str | None = None
     served_model_name: str | None = None
     policy: str = "kv"
@@ -30,3 +37,23 @@ class GatewaySettings:
     mock_speed: float = 1.0
     # Image fetching, validation and identity limits (``--media-mode`` and the image flags).
     media: MediaConfig = field(default_factory=MediaConfig)
+
+    def __post_init__(self) -> None:
+        split = (self.prefill_engine is not None, self.decode_engine is not None)
+        if any(split) and not all(split):
+            raise ValueError(
+                "--prefill-engine and --decode-engine go together: disaggregated serving needs "
+                "both endpoints"
+            )
+        if self.engine is not None and (any(split) or self.disaggregated):
+            raise ValueError(
+                "--engine (one aggregated engine) cannot be combined with --prefill-engine, "
+                "--decode-engine or --disaggregated"
+            )
+        if self.decode_handoff_timeout < 0:
+            raise ValueError("--decode-handoff-timeout must be >= 0")
+
+    @property
+    def split_serving(self) -> bool:
+        """Prefill and decode on separate engines (given ones, or the bundled mock pair)."""
+        return self.disaggregated or self.prefill_engine is not None

@@ -155,6 +155,7 @@ class RankEngine:
         self._dead: RpcStatus | None = None
         self.die_after_tokens: int | None = None
         self.on_death: Callable[[], None] | None = None
+        self.withhold_transfer: Callable[[], bool] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -450,7 +451,8 @@ class RankEngine:
         if count:
             self.counters.requests_served += 1
             params = request.req.kv_transfer_params or {}
-            if params.get("do_remote_decode"):
+            withhold = self.withhold_transfer
+            if params.get("do_remote_decode") and not (withhold is not None and withhold()):
                 emitted_params = self._transfer_params(request)
                 request.kv_transfer_out = emitted_params
         self._drop(request)

@@ -36,8 +36,10 @@ class Faults:
         self._slow_start: asyncio.Task[None] | None = None
         self.serving = False
         self._death_task: asyncio.Task[None] | None = None
+        self._withheld = 0
         for engine in group.engines.values():
             engine.on_death = self._on_death
+            engine.withhold_transfer = self._withhold_transfer
 
     async def set_serving(self, serving: bool) -> None:
         self.serving = serving
@@ -116,6 +118,20 @@ class Faults:
             if rejection.remaining == 0:
                 self._rejection = None
         raise resource_exhausted(rejection.message)
+
+    # ---- disaggregation ----------------------------------------------------------------------
+
+    def withhold_transfer_params(self, count: int = 1) -> None:
+        """The next ``count`` prefills (-1: all) finish without kv_transfer_params, like an
+        engine started without a KV connector."""
+        self._withheld = count
+
+    def _withhold_transfer(self) -> bool:
+        if self._withheld == 0:
+            return False
+        if self._withheld > 0:
+            self._withheld -= 1
+        return True
 
     # ---- KV events ---------------------------------------------------------------------------
 

@@ -90,6 +90,9 @@ class MockFaults:
     def restart_kv_publisher(self, rank: int | None = None) -> None:
         self._handle.run(self._faults.restart_kv_publisher(rank))
 
+    def withhold_transfer_params(self, count: int = 1) -> None:
+        self._handle.call(lambda: self._faults.withhold_transfer_params(count))
+
     def drop_kv_batches(self, count: int, rank: int | None = None) -> None:
         self._handle.call(lambda: self._faults.drop_kv_batches(count, rank))
 

@@ -1,0 +1,352 @@
+"""Start gateways in front of one vLLM gRPC engine on loopback, for the peer benchmarks.
+
+Rankgate (``rankgate serve``), ``vllm-router`` 0.1.17 in gRPC mode, and Dynamo 1.6.1's HTTP
+frontend with its vLLM sidecar (from a separate venv: ``scripts`` never install it into
+``.venv``). Every process is a child of the benchmark, logs to ``/tmp/rankgate-peers-*.log``
+and is stopped when the benchmark's ``ExitStack`` closes. CPU time is read from ``/proc``
+for each gateway's processes and their descendants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+DYNAMO_VENV = Path(
+    os.environ.get("RANKGATE_DYNAMO_VENV", Path.home() / ".cache" / "rankgate" / "dynamo")
+)
+ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+API_KEY = "bench"
+TICKS = os.sysconf("SC_CLK_TCK")
+LOOPBACK_ENV = {
+    # Dynamo without etcd/NATS, and every socket it opens on loopback.
+    "DYN_DISCOVERY_BACKEND": "file",
+    "DYN_REQUEST_PLANE": "tcp",
+    "DYN_EVENT_PLANE": "zmq",
+    "DYN_TCP_RPC_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+    "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_SYSTEM_HOST": "127.0.0.1",
+    "DYN_LOG": "warn",
+}
+
+
+class Unavailable(RuntimeError):
+    """A peer cannot run here; the message says why, for the results table."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_range(count: int) -> int:
+    for _ in range(200):
+        base = free_port()
+        held: list[socket.socket] = []
+        try:
+            for offset in range(count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no consecutive free ports")
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"{when}, {platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu})"
+
+
+def model_dir(work: Path, tokenizer: Path = TINY_TOKENIZER) -> Path:
+    """Tokenizer files plus the ``config.json`` that vllm-router and Dynamo read."""
+    target = work / "model"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, target / name)
+    if not (tokenizer / "config.json").exists():
+        vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+        config = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab,
+            "max_position_embeddings": 8192,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+        }
+        (target / "config.json").write_text(json.dumps(config))
+    else:
+        shutil.copy(tokenizer / "config.json", target / "config.json")
+    return target
+
+
+@dataclass
+class Engine:
+    target: str
+    dp_size: int
+    block_size: int
+    model: str
+    model_dir: Path
+    kv_events_port: int | None
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def kv_endpoints(self) -> list[str]:
+        assert self.kv_events_port is not None
+        return [f"tcp://127.0.0.1:{self.kv_events_port + r}" for r in range(self.dp_size)]
+
+
+@dataclass
+class Gateway:
+    name: str
+    url: str
+    pids: list[int]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(pid) for pid in _tree(self.pids))
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _tree(pids: Sequence[int]) -> list[int]:
+    seen: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return seen
+
+
+def launch(
+    stack: ExitStack, argv: list[str], name: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    log_path = Path(f"/tmp/rankgate-peers-{name}.log")
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+    )
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        log.close()
+
+    stack.callback(stop)
+    return proc
+
+
+def wait_http(
+    url: str, procs: Sequence[subprocess.Popen[bytes]], ready: str, timeout: float = 90
+) -> None:
+    """Until GET ``ready`` answers 200 (for ``/v1/models``: with a model listed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise Unavailable(
+                    f"process {proc.pid} exited with {proc.returncode} "
+                    "(logs: /tmp/rankgate-peers-*.log)"
+                )
+        try:
+            response = httpx.get(url + ready, timeout=2, headers={"authorization": "Bearer x"})
+            if response.status_code == 200 and (
+                ready != "/v1/models" or response.json().get("data")
+            ):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise Unavailable(f"not ready at {url}{ready} within {timeout:.0f} s")
+
+
+def start_mock_engine(
+    stack: ExitStack,
+    work: Path,
+    *,
+    dp_size: int = 2,
+    speed: float = 0.0,
+    block_size: int = 16,
+    model: str = "bench-model",
+) -> Engine:
+    mdir = model_dir(work)
+    port, kv, replay = free_port(), free_port_range(dp_size), free_port_range(dp_size)
+    argv = [
+        sys.executable, "-m", "mocker", "--port", str(port), "--dp-size", str(dp_size),
+        "--speed", str(speed), "--model", model, "--model-id", str(mdir),
+        "--tokenizer", str(mdir), "--block-size", str(block_size),
+        "--max-model-len", "8192", "--eos-probability", "0",
+        "--kv-events-port", str(kv), "--kv-replay-port", str(replay), "--log-level", "warning",
+    ]  # fmt: skip
+    proc = launch(stack, argv, "mock-engine")
+    _wait_grpc(f"127.0.0.1:{port}", proc)
+    return Engine(f"127.0.0.1:{port}", dp_size, block_size, model, mdir, kv, [proc.pid])
+
+
+def _wait_grpc(target: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the mock engine exited with {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError("the mock engine did not become healthy")
+
+
+def start_rankgate(
+    stack: ExitStack, engine: Engine, policy: str = "kv", extra: Sequence[str] = ()
+) -> Gateway:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "app.cli", "serve", "--engine", engine.target,
+        "--port", str(port), "--tokenizer", str(engine.model_dir), "--policy", policy,
+        "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    proc = launch(stack, argv, f"rankgate-{policy}")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, [proc], "/ready")
+    return Gateway(f"rankgate --policy {policy}", url, [proc.pid])
+
+
+def start_vllm_router(stack: ExitStack, engine: Engine, policy: str = "kv_aware") -> Gateway:
+    if not Path(ROUTER).exists():
+        raise Unavailable("vllm-router is not installed (pip install -e '.[peers]')")
+    port = free_port()
+    worker = f"grpc://{engine.target}"
+    argv = [
+        ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
+        "--intra-node-data-parallel-size", str(engine.dp_size), "--policy", policy,
+        "--api-key", API_KEY, "--prometheus-port", str(free_port()), "--log-level", "warning",
+    ]  # fmt: skip
+    if policy == "kv_aware":
+        argv += [
+            "--kv-event-source", f"{worker}={','.join(engine.kv_endpoints)}",
+            "--kv-event-block-size", str(engine.block_size),
+            "--kv-event-model", engine.model,
+        ]  # fmt: skip
+    proc = launch(
+        stack, argv, f"vllm-router-{policy}", {"VLLM_ROUTER_TOKENIZER": str(engine.model_dir)}
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, [proc], "/health")
+    # /health turns 200 before the workers are discovered; a request proves the path.
+    _first_chat(url, engine.model, {"authorization": f"Bearer {API_KEY}"}, [proc])
+    return Gateway(f"vllm-router {policy}", url, [proc.pid], {"authorization": f"Bearer {API_KEY}"})
+
+
+def dynamo_python() -> Path:
+    python = DYNAMO_VENV / "bin" / "python"
+    if not python.exists():
+        raise Unavailable(
+            f"no Dynamo venv at {DYNAMO_VENV}: python3 -m venv it, pip install "
+            "ai-dynamo-runtime==1.6.1 and its dependencies, then ai-dynamo==1.6.1 --no-deps"
+        )
+    return python
+
+
+def start_dynamo(stack: ExitStack, engine: Engine, work: Path, router: str = "kv") -> Gateway:
+    """Dynamo's vLLM sidecar (a worker for the engine's gRPC port) and its HTTP frontend,
+    discovering each other through a file store, with Dynamo's own KV router."""
+    python = str(dynamo_python())
+    store = work / f"dynamo-store-{router}"
+    store.mkdir(parents=True, exist_ok=True)
+    env = {**LOOPBACK_ENV, "DYN_FILE_KV": str(store)}
+    sidecar = launch(
+        stack,
+        [python, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", engine.target],
+        f"dynamo-sidecar-{router}",
+        env,
+    )
+    port = free_port()
+    frontend = launch(
+        stack,
+        [
+            python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
+            str(port), "--router-mode", router, "--kv-cache-block-size", str(engine.block_size),
+        ],
+        f"dynamo-frontend-{router}",
+        env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, [sidecar, frontend], "/v1/models", timeout=120)
+    _first_chat(url, engine.model, {}, [sidecar, frontend])
+    return Gateway(f"dynamo frontend+sidecar ({router})", url, [frontend.pid, sidecar.pid])
+
+
+def _first_chat(
+    url: str, model: str, headers: dict[str, str], procs: Sequence[subprocess.Popen[bytes]]
+) -> None:
+    deadline = time.monotonic() + 30
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            reply = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+            if reply.status_code == 200:
+                return
+            last = f"{reply.status_code} {reply.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.5)
+    raise Unavailable(f"no chat completion through {url}: {last}")

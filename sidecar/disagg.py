@@ -1,0 +1,311 @@
+"""Disaggregated serving: prefill on one vLLM frontend, decode on another, one face to the app.
+
+Each side is a full :class:`~sidecar.engine.Sidecar` (its own discovery, health watch, router
+and KV index over its own DP ranks). A request runs as a one-token prefill on the prefill side
+marked ``do_remote_decode``; the prefill's ``FinishInfo.kv_transfer_params`` then go, as they
+came, to the decode side with the original prompt and images, so both engines prepare images
+the same way. The client only ever sees the decode's deltas, so usage and streaming look
+exactly as they do when one engine serves both phases.
+
+Cancellation (SPEC.md section 8): while the prefill runs, its stream is dropped at once. Once
+the decode has been submitted, the decode sidecar owns the hand-off: until the first token it
+keeps reading in the background (bounded by ``decode_handoff_timeout``), so the engine's KV
+transfer completes; after it, the stream is dropped at once. Shutdown pre-empts the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from sidecar.engine import Sidecar
+from sidecar.errors import BadEngineResponse, DiscoveryError, EngineUnavailable, InvalidRequest
+from sidecar.routing.policy import PolicyName, RoutingConfig
+from sidecar.types import (
+    Delta,
+    EngineInfo,
+    MediaInput,
+    OutputOptions,
+    PreparedRequest,
+    SamplingParams,
+    StoppingParams,
+)
+
+log = logging.getLogger(__name__)
+
+# What vLLM's KV connectors expect on the prefill request (as vLLM's P/D proxies send it).
+PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_PREFILL_SAMPLING = SamplingParams(temperature=0.0)
+_PREFILL_STOPPING = StoppingParams(max_tokens=1, min_tokens=1)
+_PREFILL_OUTPUT = OutputOptions()
+# With images, the prefill reports the expanded prompt: it tells the decode router how many
+# tokens an image it has not seen before expands to.
+_PREFILL_OUTPUT_WITH_IDS = OutputOptions(prompt_token_ids=True)
+_INT64 = 1 << 63
+
+Side = Literal["prefill", "decode"]
+
+
+def routing_for(side: Side, policy: str) -> RoutingConfig:
+    """Each side's router weighs what costs time there.
+
+    A prefill request never decodes, so only its uncached prompt and the prefill queued on a
+    rank count (decode weight 0). A decode request's cost is the sequences a rank already
+    runs, weighed like the KV still to pull for its prompt (blocks the rank holds need no
+    transfer).
+    """
+    name: PolicyName = policy  # type: ignore[assignment]
+    if side == "prefill":
+        return RoutingConfig(policy=name, decode_weight=0.0)
+    return RoutingConfig(policy=name, decode_weight=1.0)
+
+
+class DisaggregatedEngine:
+    """Serves generation across a prefill sidecar and a decode sidecar (the app's ``Engine``)."""
+
+    def __init__(self, prefill: Sidecar, decode: Sidecar) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._info: tuple[EngineInfo, EngineInfo, EngineInfo] | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start both sides at once; both must serve the same model.
+
+        Raises the first side's startup error (named by side), or DiscoveryError naming both
+        models when they differ; nothing is left running on failure.
+        """
+        results = await asyncio.gather(
+            self._prefill.start(), self._decode.start(), return_exceptions=True
+        )
+        failures = [
+            (side, result)
+            for side, result in zip(("prefill", "decode"), results, strict=True)
+            if isinstance(result, BaseException)
+        ]
+        if failures:
+            await self.close()
+            side, error = failures[0]
+            if isinstance(error, (DiscoveryError, EngineUnavailable)):
+                raise type(error)(f"{side} engine: {error.message}") from error
+            raise error
+        prefill_model = self._prefill.engine_model
+        decode_model = self._decode.engine_model
+        if prefill_model != decode_model:
+            await self.close()
+            raise DiscoveryError(
+                f"the prefill engine serves model {prefill_model!r} but the decode engine "
+                f"serves {decode_model!r}: both sides must serve the same model"
+            )
+        prefill, decode = self._prefill.info, self._decode.info
+        log.info(
+            "disaggregated serving of %s: prefill DP ranks %s, decode DP ranks %s",
+            decode_model,
+            list(prefill.ranks),
+            list(decode.ranks),
+        )
+
+    async def close(self) -> None:
+        """Close both sides; the decode side's pending hand-offs are dropped, not drained."""
+        await asyncio.gather(self._prefill.close(), self._decode.close())
+
+    @property
+    def ready(self) -> bool:
+        return self._prefill.ready and self._decode.ready
+
+    @property
+    def info(self) -> EngineInfo:
+        """The decode side's description, limited to what both sides can serve."""
+        prefill = _side_info(self._prefill, "prefill")
+        decode = _side_info(self._decode, "decode")
+        cached = self._info
+        if cached is not None and cached[0] is prefill and cached[1] is decode:
+            return cached[2]
+        merged = msgspec.structs.replace(
+            decode,
+            max_model_len=min(prefill.max_model_len, decode.max_model_len),
+            supports_multimodal=prefill.supports_multimodal and decode.supports_multimodal,
+            supports_lora=prefill.supports_lora and decode.supports_lora,
+            supports_text_input=prefill.supports_text_input and decode.supports_text_input,
+        )
+        self._info = (prefill, decode, merged)
+        return merged
+
+    async def list_loras(self) -> tuple[str, ...]:
+        """Adapters loaded on both sides (a request's LoRA must run on each)."""
+        prefill, decode = await asyncio.gather(
+            self._prefill.list_loras(), self._decode.list_loras()
+        )
+        on_prefill = frozenset(prefill)
+        return tuple(name for name in decode if name in on_prefill)
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[Delta, None]:
+        """The decode's deltas for every choice of ``request`` (``n`` prefill/decode pairs).
+
+        Raises the typed errors of ``sidecar.errors``: a prefill failure reaches the caller
+        and no decode is sent; a prefill without ``kv_transfer_params`` is BadEngineResponse.
+        """
+        _side_info(self._prefill, "prefill")
+        _side_info(self._decode, "decode")
+        if request.kv_transfer_params:
+            raise InvalidRequest(
+                "kv_transfer_params are set by the gateway itself when it serves prefill and "
+                "decode on separate engines"
+            )
+        if request.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {request.n}")
+        if request.n == 1:
+            pipeline = self._choice(request, 0)
+        else:
+            pipeline = _interleave([self._choice(request, i) for i in range(request.n)])
+        try:
+            async for delta in pipeline:
+                yield delta
+        finally:
+            await pipeline.aclose()
+
+    async def _choice(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
+        decode = _single_choice(request, choice)
+        prefilled = await self._run_prefill(decode)
+        if isinstance(prefilled, Delta):
+            prefilled.index = choice
+            yield prefilled
+            return
+        params, expanded = prefilled
+        media = decode.media
+        if media:
+            media = learned_media(media, len(decode.prompt_token_ids), expanded)
+        decode = msgspec.structs.replace(decode, kv_transfer_params=params, media=media)
+        stream = self._decode.generate(decode, decode_handoff=True)
+        try:
+            async for delta in stream:
+                if choice:
+                    delta.index = choice
+                yield delta
+        finally:
+            await stream.aclose()
+
+    async def _run_prefill(self, request: PreparedRequest) -> tuple[dict[str, Any], int] | Delta:
+        """Run the one-token prefill; its transfer params and expanded prompt length, or the
+        finishing delta to hand the client when the prefill was aborted engine-side."""
+        prefill = PreparedRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_text=request.prompt_text,
+            sampling=_PREFILL_SAMPLING,
+            stopping=_PREFILL_STOPPING,
+            output=_PREFILL_OUTPUT_WITH_IDS if request.media else _PREFILL_OUTPUT,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            lora_name=request.lora_name,
+            media=request.media,
+            kv_transfer_params=PREFILL_TRANSFER_PARAMS,
+        )
+        # Streamed rather than unary: the router counts the prompt as queued prefill on its
+        # rank until the first token, which a unary reply would hide.
+        stream = self._prefill.generate(prefill)
+        expanded = 0
+        last: Delta | None = None
+        try:
+            async for delta in stream:
+                if delta.prompt_token_ids is not None:
+                    expanded = len(delta.prompt_token_ids)
+                elif delta.prompt_tokens is not None:
+                    expanded = delta.prompt_tokens
+                last = delta
+        finally:
+            await stream.aclose()
+        if last is None or last.finish_reason is None:
+            raise BadEngineResponse(
+                f"the prefill engine ended request {request.request_id} without finishing it"
+            )
+        if last.finish_reason == "abort":
+            return Delta(finish_reason="abort", completion_tokens=0, prompt_tokens=expanded)
+        params = last.kv_transfer_params
+        if not params:
+            raise BadEngineResponse(
+                f"the prefill engine finished request {request.request_id} without "
+                "kv_transfer_params, so there is no KV for a decode engine to pull; check that "
+                "it runs with a KV connector (kv_role kv_producer or kv_both)"
+            )
+        return params, expanded
+
+
+def _side_info(sidecar: Sidecar, side: str) -> EngineInfo:
+    try:
+        return sidecar.info
+    except EngineUnavailable as error:
+        raise EngineUnavailable(f"{side} engine: {error.message}", error.retry_after) from None
+
+
+def _single_choice(request: PreparedRequest, choice: int) -> PreparedRequest:
+    """Choice ``choice`` as a request of its own, seeded ``seed + choice`` as the aggregated
+    path seeds it; with one choice, the request itself."""
+    if request.n == 1:
+        return request
+    sampling = request.sampling
+    seed = sampling.seed
+    if seed is not None and -_INT64 <= seed < _INT64:
+        seed = (seed + choice + _INT64) % (2 * _INT64) - _INT64
+        sampling = msgspec.structs.replace(sampling, seed=seed)
+    return msgspec.structs.replace(
+        request, request_id=f"{request.request_id}.{choice}", n=1, sampling=sampling
+    )
+
+
+def learned_media(
+    media: tuple[MediaInput, ...], prompt_len: int, expanded: int
+) -> tuple[MediaInput, ...]:
+    """``media`` with the token count of its one image of unknown size filled in from the
+    prefill's expanded prompt length (each image is one placeholder in ``prompt_len``)."""
+    unknown = [i for i, item in enumerate(media) if item.num_tokens is None]
+    if len(unknown) != 1 or expanded <= 0:
+        return media
+    known = sum(item.num_tokens or 0 for item in media)
+    count = expanded - (prompt_len - len(media)) - known
+    if count < 1:
+        return media
+    filled = list(media)
+    filled[unknown[0]] = msgspec.structs.replace(media[unknown[0]], num_tokens=count)
+    return tuple(filled)
+
+
+async def _interleave(
+    streams: Sequence[AsyncGenerator[Delta, None]],
+) -> AsyncGenerator[Delta, None]:
+    """Deltas of several choice pipelines as they come; the first failure ends them all."""
+    reads: dict[asyncio.Future[Delta], AsyncGenerator[Delta, None]] = {}
+    try:
+        for stream in streams:
+            reads[asyncio.ensure_future(anext(stream))] = stream
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                stream = reads.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                reads[asyncio.ensure_future(anext(stream))] = stream
+                yield delta
+    finally:
+        for task in reads:
+            task.cancel()
+        if reads:
+            await asyncio.gather(*reads, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

@@ -1,0 +1,270 @@
+"""The orchestrator itself against two mock engines: cancellation at each phase, the hand-off's
+timeout bound, shutdown pre-empting it, startup checks and readiness.
+
+The mock decode role counts a *stranded* transfer whenever its stream is dropped before the
+first token, the hazard the hand-off exists to prevent; ``leaked`` counts requests it still
+tracks but no longer schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mocker.testing import running_mock_engine
+from sidecar.config import SidecarConfig
+from sidecar.disagg import DisaggregatedEngine, Side, learned_media, routing_for
+from sidecar.engine import Sidecar
+from sidecar.errors import DiscoveryError, EngineUnavailable
+from sidecar.routing.policy import build_router
+from sidecar.types import (
+    Delta,
+    MediaInput,
+    PreparedRequest,
+    SamplingParams,
+    StoppingParams,
+)
+from tests.disagg.conftest import Pair, engine_config, engine_pair
+
+# Slow enough to cancel inside each phase on a busy machine: a 200-token prompt prefills for
+# about 1 s, and a decode waits the configured transfer time for its KV.
+SLOW_PREFILL = {"prefill_seconds_per_token": 5e-3}
+
+
+def sidecar(endpoint: str, side: Side, **config: Any) -> Sidecar:
+    settings: dict[str, Any] = {
+        "endpoint": endpoint,
+        "startup_timeout": 10.0,
+        "retry_interval": 0.05,
+        "health_interval": 0.05,
+    }
+    settings.update(config)
+    router = build_router(routing_for(side, "kv"), CollectorRegistry())
+    return Sidecar(SidecarConfig(**settings), router)
+
+
+@asynccontextmanager
+async def disaggregated(pair: Pair, **config: Any) -> AsyncIterator[DisaggregatedEngine]:
+    engine = DisaggregatedEngine(
+        sidecar(pair.prefill.target, "prefill"), sidecar(pair.decode.target, "decode", **config)
+    )
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+def prepared(
+    rid: str, prompt_len: int = 40, max_tokens: int = 200, **fields: Any
+) -> PreparedRequest:
+    # Distinct per request id, so no prompt is served from a prefix cache.
+    base = sum(map(ord, rid)) % 500
+    return PreparedRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(100 + (base + i * 7) % 3000 for i in range(prompt_len)),
+        sampling=SamplingParams(temperature=0.0),
+        stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+        **fields,
+    )
+
+
+async def eventually(condition: Callable[[], bool], within: float = 10.0) -> float:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not condition():
+        if loop.time() - start > within:
+            raise AssertionError(f"condition not met within {within} s")
+        await asyncio.sleep(0.01)
+    return loop.time() - start
+
+
+async def consume(stream: AsyncIterator[Delta], deltas: list[Delta]) -> None:
+    """Collect into ``deltas`` as they come, so a test sees them while the stream runs."""
+    async for delta in stream:
+        deltas.append(delta)  # noqa: PERF401
+
+
+def assert_clean(pair: Pair, stranded: int = 0) -> None:
+    prefill, decode = pair.totals("prefill"), pair.totals("decode")
+    assert (prefill.active, decode.active) == (0, 0)
+    assert (prefill.leaked, decode.leaked) == (0, 0)
+    assert prefill.stranded_transfers == 0
+    assert decode.stranded_transfers == stranded
+
+
+async def test_cancel_during_prefill_drops_it_at_once_and_sends_no_decode() -> None:
+    with engine_pair(prefill=SLOW_PREFILL) as pair:
+        async with disaggregated(pair) as engine:
+            deltas: list[Delta] = []
+            task = asyncio.ensure_future(consume(engine.generate(prepared("p", 200)), deltas))
+            await eventually(lambda: pair.totals("prefill").running == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Dropped at once: well before the second-long prefill could have finished.
+            assert await eventually(pair.idle, within=0.5) < 0.5
+            prefill = pair.totals("prefill")
+            assert (prefill.aborts, prefill.requests_served) == (1, 0)
+            assert pair.totals("decode").requests_received == 0
+            assert deltas == []
+            assert_clean(pair)
+
+
+async def test_cancel_after_decode_submission_drains_until_the_first_token() -> None:
+    with engine_pair(decode={"kv_transfer_seconds": 0.8}) as pair:
+        async with disaggregated(pair) as engine:
+            task = asyncio.ensure_future(consume(engine.generate(prepared("d")), []))
+            await eventually(lambda: pair.totals("decode").transferring == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.3)
+            # The client is gone, but the transfer is still running and the stream attached.
+            decode = pair.totals("decode")
+            assert (decode.transferring, decode.active) == (1, 1)
+            await eventually(pair.idle)
+            decode = pair.totals("decode")
+            assert decode.transfers_completed == 1
+            assert decode.generated_tokens >= 1
+            # Dropped right after its first token: aborted, not served to the end.
+            assert (decode.aborts, decode.requests_served) == (1, 0)
+            assert_clean(pair)
+
+
+async def test_cancel_after_the_first_token_drops_the_decode_at_once() -> None:
+    with engine_pair(decode={"decode_step_seconds": 0.05}) as pair:
+        async with disaggregated(pair) as engine:
+            deltas: list[Delta] = []
+            task = asyncio.ensure_future(consume(engine.generate(prepared("f")), deltas))
+            await eventually(lambda: len(deltas) >= 2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await eventually(pair.idle, within=0.5) < 0.5
+            decode = pair.totals("decode")
+            assert (decode.aborts, decode.requests_served) == (1, 0)
+            assert decode.generated_tokens < 200
+            assert_clean(pair)
+
+
+async def test_the_hand_off_drain_is_bounded_by_its_timeout() -> None:
+    with engine_pair(decode={"kv_transfer_seconds": 30.0}) as pair:
+        async with disaggregated(pair, decode_handoff_timeout=0.5) as engine:
+            task = asyncio.ensure_future(consume(engine.generate(prepared("t")), []))
+            await eventually(lambda: pair.totals("decode").transferring == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            waited = await eventually(pair.idle)
+            assert 0.4 <= waited < 2.0
+            # The bound chose to drop a transfer that would not finish: the hazard, counted.
+            assert_clean(pair, stranded=1)
+
+
+async def test_shutdown_pre_empts_the_hand_off_drain() -> None:
+    with engine_pair(decode={"kv_transfer_seconds": 30.0}) as pair:
+        engine = DisaggregatedEngine(
+            sidecar(pair.prefill.target, "prefill"), sidecar(pair.decode.target, "decode")
+        )
+        await engine.start()
+        try:
+            task = asyncio.ensure_future(consume(engine.generate(prepared("s")), []))
+            await eventually(lambda: pair.totals("decode").transferring == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.2)
+            assert pair.totals("decode").active == 1
+        finally:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await engine.close()
+            assert loop.time() - start < 2.0
+        assert await eventually(pair.idle, within=2.0) < 2.0
+        assert not engine.ready
+        with pytest.raises(EngineUnavailable, match="prefill engine: the gateway is shutting down"):
+            _ = engine.info
+
+
+async def test_a_hundred_random_cancellations_strand_and_leak_nothing() -> None:
+    """Clients leave at random points of every phase; the drain leaves engines clean."""
+    rng = random.Random(8)
+    with engine_pair(decode={"kv_transfer_seconds": 0.2}) as pair:
+        async with disaggregated(pair) as engine:
+
+            async def one(i: int) -> None:
+                task = asyncio.ensure_future(
+                    consume(engine.generate(prepared(f"r{i}", 20 + i % 40, 30)), [])
+                )
+                await asyncio.sleep(rng.uniform(0.0, 0.6))
+                task.cancel()  # some have finished by then: that is fine too
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            await asyncio.gather(*(one(i) for i in range(100)))
+            await eventually(pair.idle, within=20)
+            assert_clean(pair)
+            decode = pair.totals("decode")
+            # Every decode that was sent got its KV, though most clients left before that.
+            assert 0 < decode.transfers_completed == decode.requests_received
+            assert decode.aborts > 0
+
+
+async def test_startup_refuses_engines_serving_different_models() -> None:
+    with (
+        running_mock_engine(engine_config("prefill", model="model-a")) as prefill,
+        running_mock_engine(engine_config("decode", model="model-b")) as decode,
+    ):
+        engine = DisaggregatedEngine(
+            sidecar(prefill.target, "prefill"), sidecar(decode.target, "decode")
+        )
+        with pytest.raises(DiscoveryError) as caught:
+            await engine.start()
+        assert "'model-a'" in caught.value.message
+        assert "'model-b'" in caught.value.message
+        assert not engine.ready
+
+
+async def test_startup_names_the_side_that_is_not_there() -> None:
+    with running_mock_engine(engine_config("prefill")) as prefill:
+        engine = DisaggregatedEngine(
+            sidecar(prefill.target, "prefill"),
+            sidecar("127.0.0.1:9", "decode", startup_timeout=0.5),
+        )
+        with pytest.raises(EngineUnavailable, match=r"^decode engine: "):
+            await engine.start()
+        assert not engine.ready
+
+
+async def test_readiness_needs_both_sides() -> None:
+    with engine_pair() as pair:
+        async with disaggregated(pair) as engine:
+            assert engine.ready
+            pair.decode.faults.set_serving(False)
+            await eventually(lambda: not engine.ready)
+            with pytest.raises(EngineUnavailable, match=r"^decode engine: "):
+                await consume(engine.generate(prepared("x")), [])
+            assert pair.totals("prefill").requests_received == 0
+            pair.decode.faults.set_serving(True)
+            await eventually(lambda: engine.ready)
+            deltas: list[Delta] = []
+            await consume(engine.generate(prepared("y", max_tokens=3)), deltas)
+            assert deltas[-1].finish_reason == "length"
+
+
+def test_learned_media_fills_the_one_unknown_image() -> None:
+    known = MediaInput(uuid="a" * 64, num_tokens=6)
+    unknown = MediaInput(uuid="b" * 64)
+    # 10 prompt tokens with 2 placeholders; expanded to 8 text tokens + 6 + 12 image tokens.
+    filled = learned_media((known, unknown), 10, 26)
+    assert [item.num_tokens for item in filled] == [6, 12]
+    assert learned_media((unknown, unknown), 10, 26) == (unknown, unknown)
+    assert learned_media((unknown,), 10, 0) == (unknown,)

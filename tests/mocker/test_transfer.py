@@ -1,0 +1,173 @@
+"""The prefill and decode roles over gRPC: signed connector params, the checks a decode role
+makes on them, the simulated KV transfer and the stranded-transfer counter."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from mocker.config import ConfigError
+from mocker.testing import MockEngineHandle
+from mocker.transfer import DIGEST_KEY
+from sidecar.convert import decode_transfer_params, encode_transfer_params
+from sidecar.proto.vllm import inference_pb2
+from tests.mocker.conftest import Client, engine, make_config, prompt, request
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[MockEngineHandle]:
+    with engine(role="prefill") as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[MockEngineHandle]:
+    with engine(role="decode", speed=1.0, kv_transfer_seconds=0.3) as handle:
+        yield handle
+
+
+def issued(handle: MockEngineHandle, ids: list[int]) -> dict[str, Any]:
+    """A prefill of ``ids`` on ``handle``, and the params it finished with (as a gateway
+    decodes them: integral numbers as ints)."""
+    req = request(ids, max_new_tokens=1)
+    req.kv.kv_transfer_params.update({"do_remote_decode": True})
+    c = Client(handle.target)
+    try:
+        finish = c.stream(req)[-1].outputs.finish_info
+    finally:
+        c.close()
+    return decode_transfer_params(finish.kv_transfer_params)
+
+
+def decode_request(ids: list[int], params: dict[str, Any], **fields: Any) -> Any:
+    req = request(ids, max_new_tokens=3, **fields)
+    encode_transfer_params(req.kv.kv_transfer_params, params)
+    return req
+
+
+def refused(handle: MockEngineHandle, req: Any) -> str:
+    c = Client(handle.target)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            c.stream(req)
+    finally:
+        c.close()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return caught.value.details() or ""
+
+
+def test_prefill_issues_signed_params(prefill: MockEngineHandle) -> None:
+    params = issued(prefill, prompt(1, 40))
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert len(params[DIGEST_KEY]) == 32
+    assert len(params["remote_block_ids"]) == 3
+
+
+def test_prefill_role_takes_only_remote_decode_requests(prefill: MockEngineHandle) -> None:
+    assert "do_remote_decode true" in refused(prefill, request(prompt(2, 20)))
+    req = decode_request(prompt(2, 20), {"do_remote_prefill": True})
+    assert "cannot take a remote prefill" in refused(prefill, req)
+
+
+def test_decode_accepts_params_forwarded_with_numbers_as_strings(
+    prefill: MockEngineHandle, decode: MockEngineHandle
+) -> None:
+    ids = prompt(3, 40)
+    c = Client(decode.target)
+    try:
+        started = time.monotonic()
+        messages = c.stream(decode_request(ids, issued(prefill, ids)))
+        elapsed = time.monotonic() - started
+    finally:
+        c.close()
+    assert messages[-1].outputs.finish_info.num_output_tokens == 3
+    assert elapsed >= 0.3  # the KV transfer comes before the first step
+    totals = [decode.stats(rank) for rank in decode.ranks]
+    assert sum(s.transfers_completed for s in totals) >= 1
+    assert sum(s.stranded_transfers for s in totals) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: p.pop(DIGEST_KEY), "carry no transfer_digest"),
+        (lambda p: p.update(remote_block_ids=[1, 2, 3]), "do not match a prefill"),
+        (lambda p: p.update(remote_host="10.9.9.9"), "do not match a prefill"),
+    ],
+)
+def test_decode_refuses_params_that_were_altered(
+    prefill: MockEngineHandle, decode: MockEngineHandle, change: Any, message: str
+) -> None:
+    ids = prompt(4, 40)
+    params = issued(prefill, ids)
+    change(params)
+    assert message in refused(decode, decode_request(ids, params))
+
+
+def test_decode_refuses_another_prompt_or_salt(
+    prefill: MockEngineHandle, decode: MockEngineHandle
+) -> None:
+    ids = prompt(5, 40)
+    params = issued(prefill, ids)
+    assert "do not match a prefill" in refused(decode, decode_request(ids[:-1], params))
+    salted = decode_request(ids, params, kv=inference_pb2.KVCacheParameters(cache_salt="x"))
+    assert "do not match a prefill" in refused(decode, salted)
+
+
+def test_decode_refuses_a_port_that_cannot_become_a_url(
+    prefill: MockEngineHandle, decode: MockEngineHandle
+) -> None:
+    ids = prompt(6, 40)
+    params = issued(prefill, ids)
+    req = request(ids, max_new_tokens=3)
+    req.kv.kv_transfer_params.update(params)  # numbers stay doubles: remote_port 5601.0
+    req.kv.kv_transfer_params.update({"remote_port": float(params["remote_port"])})
+    assert "cannot be formatted into a URL" in refused(decode, req)
+
+
+def test_decode_role_needs_a_remote_prefill(decode: MockEngineHandle) -> None:
+    assert "only decodes" in refused(decode, request(prompt(7, 20)))
+
+
+def test_dropping_a_decode_during_its_transfer_strands_it(
+    prefill: MockEngineHandle, decode: MockEngineHandle
+) -> None:
+    ids = prompt(8, 40)
+    before = sum(decode.stats(rank).stranded_transfers for rank in decode.ranks)
+    c = Client(decode.target)
+    try:
+        stream = c.inference.GenerateStream(
+            decode_request(ids, issued(prefill, ids)),
+            metadata=(("x-data-parallel-rank", "0"),),
+            timeout=30,
+        )
+        assert next(stream).HasField("prompt_info")
+        stats = decode.stats(0)
+        assert (stats.transferring, stats.leaked) == (1, 0)
+        stream.cancel()
+        deadline = time.monotonic() + 5
+        while decode.stats(0).active and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        c.close()
+    stats = decode.stats(0)
+    assert stats.stranded_transfers == before + 1
+    assert (stats.transferring, stats.active, stats.leaked) == (0, 0, 0)
+
+
+def test_withheld_params_leave_the_finish_without_them(prefill: MockEngineHandle) -> None:
+    prefill.faults.withhold_transfer_params(1)
+    assert issued(prefill, prompt(9, 20)) == {}
+    assert DIGEST_KEY in issued(prefill, prompt(9, 20))
+
+
+def test_role_is_validated() -> None:
+    with pytest.raises(ConfigError, match="role must be one of"):
+        make_config(role="router")
+    with pytest.raises(ConfigError, match="KV transfer times"):
+        make_config(kv_transfer_seconds=-1.0)
