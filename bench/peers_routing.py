@@ -140,11 +140,14 @@ async def one_mock(
             config.kv_events_port,
         )  # fmt: skip
         with ExitStack() as stack:
-            await run_workload(start(stack, engine), engine.model, work, result, ())
-        stats = await asyncio.to_thread(handle.all_stats)
-    prompt = sum(s.prompt_tokens for s in stats.values())
-    cached = sum(s.cached_tokens for s in stats.values())
-    result.requests = sum(s.requests_received for s in stats.values())
+            gateway = start(stack, engine)
+            # Start-up probes (vllm-router, Dynamo) must not count.
+            before = await asyncio.to_thread(handle.all_stats)
+            await run_workload(gateway, engine.model, work, result, ())
+        after = await asyncio.to_thread(handle.all_stats)
+    prompt = sum(after[r].prompt_tokens - before[r].prompt_tokens for r in after)
+    cached = sum(after[r].cached_tokens - before[r].cached_tokens for r in after)
+    result.requests = sum(after[r].requests_received - before[r].requests_received for r in after)
     return row(name, work, result, f"{cached / prompt:.1%}" if prompt else "n/a")
 
 
