@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from app import __version__
 from app.access_log import LOG_FORMATS, configure_logging
 from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from app.routing_flags import add_routing_arguments, routing_from_args
 from app.settings import GatewaySettings
 from multimodal.types import MediaConfig
 
@@ -234,6 +235,7 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
         tokenizer=args.tokenizer or None,
         served_model_name=args.served_model_name or None,
         policy=args.policy,
+        routing=routing_from_args(args, args.policy),
         log_level=args.log_level,
         chat_template=args.chat_template or None,
         tool_call_parser=args.tool_call_parser or None,
@@ -295,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve the OpenAI API in front of vLLM (or the bundled mock engine)"
     )
     add_serve_arguments(serve_parser)
+    add_routing_arguments(serve_parser, _env)
     serve_parser.set_defaults(handler=lambda args: serve(settings_from_args(args)))
     from mocker.cli import register
 

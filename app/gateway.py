@@ -44,6 +44,8 @@ class ServingOptions:
     chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # The model's image placeholder token id, when the tokenizer's own cannot be found.
+    image_token_id: int | None = None
 
 
 class Gateway:
@@ -73,6 +75,7 @@ class Gateway:
             reasoning_parser=_parser(options.reasoning_parser, info.reasoning_parser, "reasoning"),
             image_placeholder=placeholder,
             supports_images=info.supports_multimodal,
+            image_token_id=options.image_token_id,
         )
         self.settings = settings
         self.models = ModelRegistry(

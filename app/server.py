@@ -93,6 +93,7 @@ def create_app(
         chat_template=settings.chat_template,
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
+        image_token_id=settings.routing.image_token_id,
     )
 
     @asynccontextmanager
@@ -159,7 +160,7 @@ async def _start_sidecar(
 ) -> Engine:
     from sidecar.config import SidecarConfig
     from sidecar.engine import Sidecar
-    from sidecar.routing.policy import RoutingConfig, build_router
+    from sidecar.routing.policy import build_router
 
     if settings.split_serving:
         return await _start_disaggregated(settings, registry, stack, shared_load)
@@ -167,7 +168,7 @@ async def _start_sidecar(
     if endpoint is None:
         endpoint = await _start_mock(settings, stack)
     router = build_router(
-        RoutingConfig(policy=settings.policy),  # type: ignore[arg-type]
+        settings.routing_config(),
         registry,
         shared_load,
     )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from multimodal.types import MediaConfig
+from sidecar.routing.policy import RoutingConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +40,12 @@ class GatewaySettings:
     mock_speed: float = 1.0
     # Image fetching, validation and identity limits (``--media-mode`` and the image flags).
     media: MediaConfig = field(default_factory=MediaConfig)
+    # Routing tunables (the ``routing`` flags); ``policy`` above selects the policy itself.
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    def routing_config(self) -> RoutingConfig:
+        """The router's config: the tunables with ``policy`` applied (validated again)."""
+        return msgspec.structs.replace(self.routing, policy=self.policy)
 
     def __post_init__(self) -> None:
         split = (self.prefill_engine is not None, self.decode_engine is not None)

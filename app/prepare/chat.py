@@ -61,6 +61,9 @@ class ChatSettings:
     image_placeholder: str | None
     # Whether the engine advertises ``supports_multimodal``; image parts are refused if not.
     supports_images: bool = True
+    # The placeholder's token id when the operator names it (``--image-token-id``); else the
+    # tokenizer's id for ``image_placeholder``.
+    image_token_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +187,9 @@ class ChatPreparer:
         self._template = template
         self._settings = settings
         self._media = media
-        self._image_token = (
-            tokenizer.token_id(settings.image_placeholder) if settings.image_placeholder else None
-        )
+        self._image_token = settings.image_token_id
+        if self._image_token is None and settings.image_placeholder:
+            self._image_token = tokenizer.token_id(settings.image_placeholder)
 
     async def prepare(
         self,
@@ -270,11 +273,13 @@ class ChatPreparer:
         media: tuple[MediaInput, ...] = ()
         if converter.images:
             assert self._media is not None
-            if self._image_token is not None:
-                found = ids.count(self._image_token)
-                if found != len(converter.images):
+            positions: list[int] | None = None
+            image_token = self._image_token
+            if image_token is not None:
+                positions = [i for i, token in enumerate(ids) if token == image_token]
+                if len(positions) != len(converter.images):
                     raise invalid(
-                        f"the rendered prompt has {found} image placeholders for "
+                        f"the rendered prompt has {len(positions)} image placeholders for "
                         f"{len(converter.images)} images",
                         "messages",
                     )
@@ -284,6 +289,12 @@ class ChatPreparer:
                 raise ApiError(
                     exc.status, exc.message, param="messages", code="invalid_image"
                 ) from None
+            if positions is not None:
+                # Where each image sits lets the router expand it and match the blocks it fills.
+                media = tuple(
+                    msgspec.structs.replace(item, position=position)
+                    for item, position in zip(media, positions, strict=True)
+                )
 
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         stopping = stopping_params(

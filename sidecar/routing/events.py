@@ -56,6 +56,18 @@ class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
     burst: int = 256
     receive_hwm: int = 100_000
 
+    def __post_init__(self) -> None:
+        if self.replay_timeout <= 0:
+            raise ValueError("replay_timeout must be positive")
+        if self.max_held_batches < 1:
+            raise ValueError("max_held_batches must be at least 1")
+        if self.poll_interval <= 0:
+            raise ValueError("poll_interval must be positive")
+        if self.burst < 1:
+            raise ValueError("burst must be at least 1")
+        if self.receive_hwm < 1:
+            raise ValueError("receive_hwm must be at least 1 (the socket's queue stays bounded)")
+
 
 class MalformedBatch(Exception):
     """A payload that is not an EventBatch in either known shape."""

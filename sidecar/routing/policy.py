@@ -66,8 +66,10 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose from {POLICIES}")
-        if self.prefill_weight < 0 or self.decode_weight < 0:
-            raise ValueError("routing weights must be >= 0")
+        if self.prefill_weight < 0:
+            raise ValueError("prefill_weight must be >= 0")
+        if self.decode_weight < 0:
+            raise ValueError("decode_weight must be >= 0")
         if not 0.0 <= self.offloaded_hit_weight <= 1.0:
             raise ValueError("offloaded_hit_weight must lie in [0, 1]")
         if self.hot_spill_requests < 1:
@@ -78,6 +80,8 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("pending_ttl must be >= 0")
         if self.offload_index_factor < 0:
             raise ValueError("offload_index_factor must be >= 0")
+        if self.image_token_id is not None and self.image_token_id < 0:
+            raise ValueError("image_token_id must be >= 0")
 
 
 def build_router(

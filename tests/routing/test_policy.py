@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sidecar.errors import EngineUnavailable, InvalidRequest
+from sidecar.routing.events import IntakeSettings
 from sidecar.routing.policy import RoutingConfig, build_router
 from sidecar.types import MediaInput
 from tests.routing.conftest import BLOCK, RigFactory, engine_info, prepared, sample
@@ -210,8 +211,16 @@ async def test_unconfigured_router_refuses() -> None:
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         RoutingConfig(policy="random")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match="decode_weight"):
         RoutingConfig(decode_weight=-1)
+    with pytest.raises(ValueError, match="prefill_weight"):
+        RoutingConfig(prefill_weight=-0.5)
+    with pytest.raises(ValueError, match="image_token_id"):
+        RoutingConfig(image_token_id=-1)
+    with pytest.raises(ValueError, match="burst"):
+        IntakeSettings(burst=0)
+    with pytest.raises(ValueError, match="receive_hwm"):
+        IntakeSettings(receive_hwm=0)
     with pytest.raises(ValueError, match="hot_spill"):
         RoutingConfig(hot_spill_requests=0)
 
