@@ -24,7 +24,7 @@ import msgspec
 
 from sidecar.engine import Sidecar
 from sidecar.errors import BadEngineResponse, DiscoveryError, EngineUnavailable, InvalidRequest
-from sidecar.routing.policy import PolicyName, RoutingConfig
+from sidecar.routing.policy import RoutingConfig
 from sidecar.types import (
     Delta,
     EngineInfo,
@@ -57,7 +57,7 @@ _INT64 = 1 << 63
 Side = Literal["prefill", "decode"]
 
 
-def routing_for(side: Side, policy: str) -> RoutingConfig:
+def routing_for(side: Side, base: RoutingConfig) -> RoutingConfig:
     """Each side's router weighs what costs time there.
 
     A prefill request never decodes, so only its uncached prompt and the prefill queued on a
@@ -65,10 +65,7 @@ def routing_for(side: Side, policy: str) -> RoutingConfig:
     runs, weighed like the KV still to pull for its prompt (blocks the rank holds need no
     transfer).
     """
-    name: PolicyName = policy  # type: ignore[assignment]
-    if side == "prefill":
-        return RoutingConfig(policy=name, decode_weight=0.0)
-    return RoutingConfig(policy=name, decode_weight=1.0)
+    return msgspec.structs.replace(base, decode_weight=0.0 if side == "prefill" else 1.0)
 
 
 class DisaggregatedEngine:

@@ -23,7 +23,7 @@ from sidecar.config import SidecarConfig
 from sidecar.disagg import DisaggregatedEngine, Side, learned_media, routing_for
 from sidecar.engine import Sidecar
 from sidecar.errors import DiscoveryError, EngineUnavailable
-from sidecar.routing.policy import build_router
+from sidecar.routing.policy import RoutingConfig, build_router
 from sidecar.types import (
     Delta,
     MediaInput,
@@ -46,7 +46,7 @@ def sidecar(endpoint: str, side: Side, **config: Any) -> Sidecar:
         "health_interval": 0.05,
     }
     settings.update(config)
-    router = build_router(routing_for(side, "kv"), CollectorRegistry())
+    router = build_router(routing_for(side, RoutingConfig()), CollectorRegistry())
     return Sidecar(SidecarConfig(**settings), router)
 
 
