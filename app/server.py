@@ -93,6 +93,7 @@ def create_app(
         chat_template=settings.chat_template,
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
+        image_token_id=settings.routing.image_token_id,
     )
 
     @asynccontextmanager
@@ -159,7 +160,7 @@ async def _start_sidecar(
 ) -> Engine:
     from sidecar.config import SidecarConfig
     from sidecar.engine import Sidecar
-    from sidecar.routing.policy import RoutingConfig, build_router
+    from sidecar.routing.policy import build_router
 
     if settings.split_serving:
         return await _start_disaggregated(settings, registry, stack, shared_load)
@@ -167,7 +168,7 @@ async def _start_sidecar(
     if endpoint is None:
         endpoint = await _start_mock(settings, stack)
     router = build_router(
-        RoutingConfig(policy=settings.policy),  # type: ignore[arg-type]
+        settings.routing_config(),
         registry,
         shared_load,
     )
@@ -205,7 +206,7 @@ async def _start_disaggregated(
     from sidecar.config import SidecarConfig
     from sidecar.disagg import DisaggregatedEngine, Side, routing_for
     from sidecar.engine import Sidecar
-    from sidecar.routing.policy import RoutingConfig, build_router
+    from sidecar.routing.policy import build_router
 
     prefill, decode = settings.prefill_engine, settings.decode_engine
     if prefill is None or decode is None:
@@ -221,7 +222,7 @@ async def _start_disaggregated(
             served_model_name=settings.served_model_name,
             decode_handoff_timeout=settings.decode_handoff_timeout,
         )
-        routing = routing_for(role, RoutingConfig(policy=settings.policy))  # type: ignore[arg-type]
+        routing = routing_for(role, settings.routing_config())
         return Sidecar(config, build_router(routing, metrics, load))
 
     engine = DisaggregatedEngine(
