@@ -139,9 +139,9 @@ class Supervisor:
                 if process.exitcode is None:
                     alive += 1
                     continue
-                self._reap(slot, process)
+                code = self._reap(slot, process)
                 if not self.stopping:
-                    self._replace(slot, process)
+                    self._replace(slot, code)
                     if slot.process is not None:
                         alive += 1
             if self.stopping:
@@ -154,15 +154,17 @@ class Supervisor:
             time.sleep(POLL_S)
         return 1 if self.failed else 0
 
-    def _reap(self, slot: _Slot, process: BaseProcess) -> None:
+    def _reap(self, slot: _Slot, process: BaseProcess) -> int:
+        """Forget a worker that exited; its exit status."""
+        code = process.exitcode if process.exitcode is not None else -1
         slot.process = None
         self.board.clear(slot.index)
         if process.pid is not None:
             _mark_dead(process.pid)
         process.close()
+        return code
 
-    def _replace(self, slot: _Slot, process: BaseProcess) -> None:
-        code = process.exitcode if process.exitcode is not None else -1
+    def _replace(self, slot: _Slot, code: int) -> None:
         if code == STARTUP_FAILED:
             log.error("worker %d failed to start; stopping the gateway", slot.index)
             self.failed = True

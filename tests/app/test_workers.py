@@ -1,0 +1,262 @@
+"""``rankgate serve --workers 2`` as an operator runs it, in front of a mock engine with GPU-like
+timing: both workers serve one port, each sees the other's in-flight requests through the
+shared load board, metrics are merged, and a crashed worker is replaced without leaving its
+requests counted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from mocker.config import MockEngineConfig
+from mocker.testing import running_mock_engine
+from tests.app.test_metrics import value
+from tests.conftest import TINY_TOKENIZER
+from tests.support.ports import free_port, free_port_range
+
+ROOT = Path(__file__).resolve().parents[2]
+DP = 2
+MODEL = "slow-llama"
+# At the mocker's GPU-like 8 ms a step, a stream of this many tokens lasts about 2.5 s.
+LONG = 300
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def access_lines(self) -> list[dict[str, object]]:
+        lines = []
+        for raw in self.log.read_bytes().splitlines():
+            if raw.startswith(b"{"):
+                line = orjson.loads(raw)
+                if line.get("logger") == "rankgate.access":
+                    lines.append(line)
+        return lines
+
+    def workers(self) -> list[int]:
+        """The supervisor's worker processes (not its resource tracker)."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        pids = [int(p) for p in children.read_text().split()]
+        return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+    def connections(self, pid: int) -> int:
+        """Client connections worker ``pid`` holds open."""
+        port = int(self.url.rsplit(":", 1)[1])
+        established = set()
+        for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":
+                established.add(fields[9])
+        held = 0
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd)
+            if target.startswith("socket:[") and target[8:-1] in established:
+                held += 1
+        return held
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    config = MockEngineConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        dp_size=DP,
+        model=MODEL,
+        tokenizer=str(TINY_TOKENIZER),
+        kv_events_port=free_port_range(DP),
+        kv_replay_port=free_port_range(DP),
+        speed=1.0,
+        max_model_len=2048,
+    )
+    log = tmp_path_factory.mktemp("workers") / "gateway.log"
+    port = free_port()
+    with running_mock_engine(config) as engine, log.open("wb") as sink:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "serve",
+                "--workers",
+                "2",
+                "--engine",
+                str(engine.target),
+                "--tokenizer",
+                str(TINY_TOKENIZER),
+                "--port",
+                str(port),
+                "--policy",
+                "load",
+                "--log-format",
+                "json",
+                "--access-log",
+            ],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, process)
+            yield Gateway(url, process, log)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                assert process.wait(60) == 0
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+                raise
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    ready = 0
+    while ready < 10:
+        assert process.poll() is None, "the gateway exited during startup"
+        assert time.monotonic() < deadline, "the workers did not become ready"
+        try:
+            # Fresh connections reach either worker; ten in a row makes both likely ready.
+            ready = ready + 1 if httpx.get(f"{url}/ready", timeout=5).status_code == 200 else 0
+        except httpx.TransportError:
+            ready = 0
+        time.sleep(0.1)
+
+
+class Streams:
+    """Long streamed completions, each on its own connection, read to the end in threads."""
+
+    def __init__(self, url: str, count: int, prefix: str) -> None:
+        self.ids = [f"{prefix}-{i}" for i in range(count)]
+        self.started = threading.Barrier(count + 1, timeout=60)
+        self.outcomes: dict[str, str] = {}
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, rid), daemon=True) for rid in self.ids
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, url: str, rid: str) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": f"stream {rid} " * 8,
+            "max_tokens": LONG,
+            "min_tokens": LONG,
+            "stream": True,
+        }
+        waiting = True
+        try:
+            with (
+                httpx.Client(timeout=60) as client,
+                client.stream(
+                    "POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}
+                ) as response,
+            ):
+                if response.status_code != 200:
+                    self.outcomes[rid] = f"{response.status_code}: {response.read()!r}"
+                    return
+                for line in response.iter_lines():
+                    if waiting and line.startswith("data: {"):
+                        waiting = False
+                        self.started.wait()
+                    if line == "data: [DONE]":
+                        self.outcomes[rid] = "done"
+        except httpx.HTTPError as exc:
+            self.outcomes[rid] = type(exc).__name__
+        finally:
+            if waiting:
+                self.started.abort()
+
+    def wait_started(self) -> None:
+        try:
+            self.started.wait()
+        except threading.BrokenBarrierError:
+            self.join()
+            raise AssertionError(f"streams failed to start: {self.outcomes}") from None
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(60)
+            assert not thread.is_alive()
+
+
+def _scrape(url: str) -> str:
+    # A new connection per scrape, so scrapes land on either worker.
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200
+    return response.text
+
+
+def test_two_workers_serve_one_port_and_share_load(gateway: Gateway) -> None:
+    count = 8
+    streams = Streams(gateway.url, count, "shared")
+    streams.wait_started()
+    for _ in range(8):
+        text = _scrape(gateway.url)
+        # Every worker's router counts all eight, wherever they are served...
+        assert value(text, "rankgate_routing_in_flight_requests") == count
+        # ...and the merged gauge adds up both workers' requests.
+        assert value(text, "rankgate_http_requests_in_flight") == count
+    streams.join()
+    assert streams.outcomes == dict.fromkeys(streams.ids, "done")
+    lines = [line for line in gateway.access_lines() if line["request_id"] in streams.ids]
+    assert len(lines) == count
+    assert {line["status"] for line in lines} == {200}
+    assert {line["completion_tokens"] for line in lines} == {LONG}
+    # Both workers served some of them, so each counted requests it did not serve itself.
+    assert len({line["pid"] for line in lines}) == 2
+    text = _scrape(gateway.url)
+    assert value(text, "rankgate_routing_in_flight_requests") == 0
+    assert (
+        value(text, "rankgate_http_requests_total", endpoint="completions", status="200") >= count
+    )
+
+
+def test_a_crashed_worker_is_replaced_and_its_load_forgotten(gateway: Gateway) -> None:
+    before = gateway.workers()
+    assert len(before) == 2
+    streams = Streams(gateway.url, 6, "crash")
+    streams.wait_started()
+    assert value(_scrape(gateway.url), "rankgate_routing_in_flight_requests") == 6
+    held = {pid: gateway.connections(pid) for pid in before}
+    assert sum(held.values()) == 6
+    victim = max(before, key=held.__getitem__)
+    os.kill(victim, signal.SIGKILL)
+    streams.join()
+    cut = [rid for rid, outcome in streams.outcomes.items() if outcome != "done"]
+    # The victim's streams were cut; the other worker's finished.
+    assert len(cut) == held[victim]
+    deadline = time.monotonic() + 90
+    while True:
+        now = gateway.workers()
+        if len(now) == 2 and victim not in now:
+            try:
+                if httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+        assert time.monotonic() < deadline, "no replacement worker"
+        time.sleep(0.2)
+    # The dead worker's requests no longer count against any rank.
+    for _ in range(4):
+        assert value(_scrape(gateway.url), "rankgate_routing_in_flight_requests") == 0
+    response = httpx.post(
+        f"{gateway.url}/v1/completions",
+        json={"model": MODEL, "prompt": "after the crash", "max_tokens": 3},
+        timeout=30,
+    )
+    assert response.status_code == 200
