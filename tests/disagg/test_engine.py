@@ -34,8 +34,8 @@ from sidecar.types import (
 from tests.disagg.conftest import Pair, engine_config, engine_pair
 
 # Slow enough to cancel inside each phase on a busy machine: a 200-token prompt prefills for
-# about 1 s, and a decode waits the configured transfer time for its KV.
-SLOW_PREFILL = {"prefill_seconds_per_token": 5e-3}
+# about 2 s, and a decode waits the configured transfer time for its KV.
+SLOW_PREFILL = {"prefill_seconds_per_token": 10e-3}
 
 
 def sidecar(endpoint: str, side: Side, **config: Any) -> Sidecar:
@@ -109,8 +109,8 @@ async def test_cancel_during_prefill_drops_it_at_once_and_sends_no_decode() -> N
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            # Dropped at once: well before the second-long prefill could have finished.
-            assert await eventually(pair.idle, within=0.5) < 0.5
+            # Dropped at once: well before the two-second prefill could have finished.
+            assert await eventually(pair.idle, within=1.0) < 1.0
             prefill = pair.totals("prefill")
             assert (prefill.aborts, prefill.requests_served) == (1, 0)
             assert pair.totals("decode").requests_received == 0
@@ -148,7 +148,7 @@ async def test_cancel_after_the_first_token_drops_the_decode_at_once() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert await eventually(pair.idle, within=0.5) < 0.5
+            assert await eventually(pair.idle, within=1.0) < 1.0
             decode = pair.totals("decode")
             assert (decode.aborts, decode.requests_served) == (1, 0)
             assert decode.generated_tokens < 200
@@ -164,7 +164,7 @@ async def test_the_hand_off_drain_is_bounded_by_its_timeout() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
             waited = await eventually(pair.idle)
-            assert 0.4 <= waited < 2.0
+            assert 0.4 <= waited < 3.0
             # The bound chose to drop a transfer that would not finish: the hazard, counted.
             assert_clean(pair, stranded=1)
 
@@ -187,8 +187,8 @@ async def test_shutdown_pre_empts_the_hand_off_drain() -> None:
             loop = asyncio.get_running_loop()
             start = loop.time()
             await engine.close()
-            assert loop.time() - start < 2.0
-        assert await eventually(pair.idle, within=2.0) < 2.0
+            assert loop.time() - start < 3.0
+        assert await eventually(pair.idle, within=3.0) < 3.0
         assert not engine.ready
         with pytest.raises(EngineUnavailable, match="prefill engine: the gateway is shutting down"):
             _ = engine.info
