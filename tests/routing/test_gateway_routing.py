@@ -14,7 +14,7 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -175,6 +175,14 @@ def test_image_conversations_return_to_the_rank_that_cached_their_image(rig: Rig
     assert int(route["cached"]) < 100
 
 
+async def _last_line(lines: AsyncIterator[str]) -> str:
+    last = ""
+    async for line in lines:
+        if line:
+            last = line
+    return last
+
+
 async def test_the_hot_spill_flag_moves_the_third_concurrent_request_off_a_hot_rank(
     rig: Rig,
 ) -> None:
@@ -184,8 +192,9 @@ async def test_the_hot_spill_flag_moves_the_third_concurrent_request_off_a_hot_r
     body = {
         "model": MODEL,
         "prompt": prompt,
-        "max_tokens": 40,
-        "min_tokens": 40,
+        # ~5 s of decoding: every stream is still running when the third one is routed.
+        "max_tokens": 120,
+        "min_tokens": 120,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
@@ -193,6 +202,7 @@ async def test_the_hot_spill_flag_moves_the_third_concurrent_request_off_a_hot_r
     routes: list[dict[str, str]] = []
     async with httpx.AsyncClient(base_url=rig.url, timeout=60) as http:
         streams = []
+        readers: list[AsyncIterator[str]] = []
         try:
             for _ in range(3):
                 stream = http.stream("POST", "/v1/completions", json=body)
@@ -201,17 +211,21 @@ async def test_the_hot_spill_flag_moves_the_third_concurrent_request_off_a_hot_r
                 assert response.status_code == 200
                 routes.append(route_of(response))
                 lines = response.aiter_lines()
+                readers.append(lines)
                 # Wait for the first token: the prompt is prefilled, the request decodes on.
                 while not (await anext(lines)).startswith("data: {"):
                     pass
+            ends = await asyncio.gather(*(_last_line(lines) for lines in readers))
+            assert ends == ["data: [DONE]"] * 3
         finally:
             for stream in streams:
                 await stream.__aexit__(None, None, None)
     first, second, third = routes
-    assert second["rank"] == first["rank"], routes
+    assert second["rank"] == first["rank"], [sorted(route.items()) for route in routes]
     assert int(second["cached"]) > 0
-    assert third["rank"] != first["rank"], routes
-    assert third["reason"] == "spill_hot", routes
+    assert (third["rank"], third["reason"]) == (str(1 - int(first["rank"])), "spill_hot"), [
+        sorted(route.items()) for route in routes
+    ]
     assert rig.metric("rankgate_routing_spills_total", reason="hot_prefix") == spills_before + 1
     await asyncio.to_thread(rig.handle.wait_idle)
     routed = sum(
