@@ -204,7 +204,7 @@ async def _start_disaggregated(
     exported and shared between workers: both sides' ranks would share the same labels and
     load-board slots."""
     from sidecar.config import SidecarConfig
-    from sidecar.disagg import DisaggregatedEngine, Side, routing_for
+    from sidecar.disagg import DisaggregatedEngine, routing_for
     from sidecar.engine import Sidecar
     from sidecar.routing.policy import build_router
 
@@ -213,21 +213,19 @@ async def _start_disaggregated(
         prefill = await _start_mock(settings, stack, role="prefill")
         decode = await _start_mock(settings, stack, role="decode")
 
-    def side(
-        endpoint: str, role: Side, metrics: CollectorRegistry, load: SharedLoadBoard | None
-    ) -> Sidecar:
+    routing = routing_for(settings.routing_config())
+
+    def side(endpoint: str, metrics: CollectorRegistry, load: SharedLoadBoard | None) -> Sidecar:
         config = SidecarConfig(
             endpoint=endpoint,
             startup_timeout=settings.startup_timeout,
             served_model_name=settings.served_model_name,
             decode_handoff_timeout=settings.decode_handoff_timeout,
         )
-        routing = routing_for(role, settings.routing_config())
         return Sidecar(config, build_router(routing, metrics, load))
 
     engine = DisaggregatedEngine(
-        side(prefill, "prefill", CollectorRegistry(), None),
-        side(decode, "decode", registry, shared_load),
+        side(prefill, CollectorRegistry(), None), side(decode, registry, shared_load)
     )
     await engine.start()
     stack.push_async_callback(engine.close)

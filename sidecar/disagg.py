@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -54,18 +54,18 @@ _PREFILL_OUTPUT = OutputOptions()
 _PREFILL_OUTPUT_WITH_IDS = OutputOptions(prompt_token_ids=True)
 _INT64 = 1 << 63
 
-Side = Literal["prefill", "decode"]
 
+def routing_for(base: RoutingConfig) -> RoutingConfig:
+    """The routing of either side: ``base`` with requests in flight weighed like uncached
+    prompt tokens (``decode_weight`` 1).
 
-def routing_for(side: Side, base: RoutingConfig) -> RoutingConfig:
-    """Each side's router weighs what costs time there.
-
-    A prefill request never decodes, so only its uncached prompt and the prefill queued on a
-    rank count (decode weight 0). A decode request's cost is the sequences a rank already
-    runs, weighed like the KV still to pull for its prompt (blocks the rank holds need no
-    transfer).
+    A prefill request is unary, so the router counts its whole prompt as in flight from the
+    start: on the prefill side that is exactly the prefill queued there, as costly per token
+    as the uncached prompt of the request being placed. On the decode side, running sequences
+    are the load, and the uncached prompt is KV still to pull rather than to compute: both
+    matter more there than in aggregated serving, where decode counts a tenth.
     """
-    return msgspec.structs.replace(base, decode_weight=0.0 if side == "prefill" else 1.0)
+    return msgspec.structs.replace(base, decode_weight=1.0)
 
 
 class DisaggregatedEngine:
@@ -211,9 +211,9 @@ class DisaggregatedEngine:
             lora_name=request.lora_name,
             media=request.media,
             kv_transfer_params=PREFILL_TRANSFER_PARAMS,
+            # One reply instead of a stream: about half the gRPC work of the prefill leg.
+            stream=False,
         )
-        # Streamed rather than unary: the router counts the prompt as queued prefill on its
-        # rank until the first token, which a unary reply would hide.
         stream = self._prefill.generate(prefill)
         expanded = 0
         last: Delta | None = None

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from mocker.testing import running_mock_engine
 from sidecar.config import SidecarConfig
-from sidecar.disagg import DisaggregatedEngine, Side, learned_media, routing_for
+from sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
 from sidecar.engine import Sidecar
 from sidecar.errors import DiscoveryError, EngineUnavailable
 from sidecar.routing.policy import RoutingConfig, build_router
@@ -38,7 +38,7 @@ from tests.disagg.conftest import Pair, engine_config, engine_pair
 SLOW_PREFILL = {"prefill_seconds_per_token": 10e-3}
 
 
-def sidecar(endpoint: str, side: Side, **config: Any) -> Sidecar:
+def sidecar(endpoint: str, **config: Any) -> Sidecar:
     settings: dict[str, Any] = {
         "endpoint": endpoint,
         "startup_timeout": 10.0,
@@ -46,14 +46,14 @@ def sidecar(endpoint: str, side: Side, **config: Any) -> Sidecar:
         "health_interval": 0.05,
     }
     settings.update(config)
-    router = build_router(routing_for(side, RoutingConfig()), CollectorRegistry())
+    router = build_router(routing_for(RoutingConfig()), CollectorRegistry())
     return Sidecar(SidecarConfig(**settings), router)
 
 
 @asynccontextmanager
 async def disaggregated(pair: Pair, **config: Any) -> AsyncIterator[DisaggregatedEngine]:
     engine = DisaggregatedEngine(
-        sidecar(pair.prefill.target, "prefill"), sidecar(pair.decode.target, "decode", **config)
+        sidecar(pair.prefill.target), sidecar(pair.decode.target, **config)
     )
     await engine.start()
     try:
@@ -171,9 +171,7 @@ async def test_the_hand_off_drain_is_bounded_by_its_timeout() -> None:
 
 async def test_shutdown_pre_empts_the_hand_off_drain() -> None:
     with engine_pair(decode={"kv_transfer_seconds": 30.0}) as pair:
-        engine = DisaggregatedEngine(
-            sidecar(pair.prefill.target, "prefill"), sidecar(pair.decode.target, "decode")
-        )
+        engine = DisaggregatedEngine(sidecar(pair.prefill.target), sidecar(pair.decode.target))
         await engine.start()
         try:
             task = asyncio.ensure_future(consume(engine.generate(prepared("s")), []))
@@ -223,9 +221,7 @@ async def test_startup_refuses_engines_serving_different_models() -> None:
         running_mock_engine(engine_config("prefill", model="model-a")) as prefill,
         running_mock_engine(engine_config("decode", model="model-b")) as decode,
     ):
-        engine = DisaggregatedEngine(
-            sidecar(prefill.target, "prefill"), sidecar(decode.target, "decode")
-        )
+        engine = DisaggregatedEngine(sidecar(prefill.target), sidecar(decode.target))
         with pytest.raises(DiscoveryError) as caught:
             await engine.start()
         assert "'model-a'" in caught.value.message
@@ -236,8 +232,8 @@ async def test_startup_refuses_engines_serving_different_models() -> None:
 async def test_startup_names_the_side_that_is_not_there() -> None:
     with running_mock_engine(engine_config("prefill")) as prefill:
         engine = DisaggregatedEngine(
-            sidecar(prefill.target, "prefill"),
-            sidecar("127.0.0.1:9", "decode", startup_timeout=0.5),
+            sidecar(prefill.target),
+            sidecar("127.0.0.1:9", startup_timeout=0.5),
         )
         with pytest.raises(EngineUnavailable, match=r"^decode engine: "):
             await engine.start()
