@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.access_log import LOG_FORMATS, configure_logging
+from app.admission import AdmissionConfig
+from app.auth import API_KEY_ENV, AccessConfig, load_keys
+from app.limits import InputLimits
 from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from app.routing_flags import add_routing_arguments, routing_from_args
 from app.settings import GatewaySettings
@@ -199,6 +202,108 @@ def _workers(text: str) -> int:
     return value
 
 
+def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GatewaySettings()
+    a = parser.add_argument
+    a(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (repeatable; env "
+        f"{API_KEY_ENV}: comma-separated); without any key the API is open",
+    )
+    a(
+        "--api-key-file",
+        default=_env("api_key_file", None),
+        help="a file with one API key per line ('#' comments), added to --api-key",
+    )
+    a(
+        "--protect-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=_env("protect_metrics", d.access.protect_metrics, _bool),
+        help="require an API key on /metrics too (default: off)",
+    )
+    a(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        default=_env("cors_origin", None, _networks),
+        help="a browser origin allowed by CORS, or '*' (repeatable; env: comma-separated); "
+        "CORS is off without one",
+    )
+    a(
+        "--max-body-bytes",
+        type=int,
+        default=_env("max_body_bytes", d.limits.max_body_bytes, int),
+        help="largest request body accepted (default: %(default)s)",
+    )
+    a(
+        "--max-json-depth",
+        type=int,
+        default=_env("max_json_depth", d.limits.max_json_depth, int),
+        help="deepest JSON nesting accepted (default: %(default)s)",
+    )
+    a(
+        "--admission-per-rank",
+        type=int,
+        default=_env("admission_per_rank", d.admission.per_rank, int),
+        help="engine requests admitted per DP rank; 0: twice vLLM's max_running_requests "
+        "(default: %(default)s)",
+    )
+    a(
+        "--admission-queue",
+        type=int,
+        default=_env("admission_queue", d.admission.queue, int),
+        help="requests that may wait for admission before 429 (default: %(default)s)",
+    )
+    a(
+        "--admission-timeout",
+        type=float,
+        default=_env("admission_timeout", d.admission.timeout, float),
+        help="seconds a request may wait for admission before 429 (default: %(default)s)",
+    )
+    a(
+        "--stream-stall-timeout",
+        type=float,
+        default=_env("stream_stall_timeout", d.stream_stall_timeout, float),
+        help="seconds a client may stop reading a stream before it is cut; 0: never "
+        "(default: %(default)s)",
+    )
+    a(
+        "--shutdown-grace",
+        type=float,
+        default=_env("shutdown_grace", d.shutdown_grace, float),
+        help="seconds in-flight requests get after SIGTERM (default: %(default)s)",
+    )
+    a(
+        "--health-interval",
+        type=float,
+        default=_env("health_interval", d.health_interval, float),
+        help="seconds between engine health checks (default: %(default)s)",
+    )
+
+
+def _hardening(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        return {
+            "limits": InputLimits(
+                max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth
+            ),
+            "access": AccessConfig(
+                api_keys=load_keys(args.api_key, args.api_key_file),
+                protect_metrics=args.protect_metrics,
+                cors_origins=tuple(args.cors_origin or ()),
+            ),
+            "admission": AdmissionConfig(
+                per_rank=args.admission_per_rank,
+                queue=args.admission_queue,
+                timeout=args.admission_timeout,
+            ),
+        }
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"invalid hardening options: {exc}") from None
+
+
 def _networks(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -246,6 +351,10 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
         workers=args.workers,
         mock_speed=args.mock_speed,
         media=_media_config(args),
+        stream_stall_timeout=args.stream_stall_timeout,
+        shutdown_grace=args.shutdown_grace,
+        health_interval=args.health_interval,
+        **_hardening(args),
     )
 
 
@@ -268,6 +377,7 @@ def serve_worker(
     import uvicorn
 
     from app.server import create_app
+    from app.shutdown import BACKSTOP_S, GracefulServer
 
     app = create_app(settings, shared_load=shared_load)
     config = uvicorn.Config(
@@ -281,9 +391,9 @@ def serve_worker(
         access_log=False,
         log_config=None,
         lifespan="on",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=int(settings.shutdown_grace + BACKSTOP_S),
     )
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, app.state.shutdown)
     server.run(sockets=sockets)
     # uvicorn returns normally when startup fails; report that as a failure.
     return 0 if server.started else 1
@@ -297,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve the OpenAI API in front of vLLM (or the bundled mock engine)"
     )
     add_serve_arguments(serve_parser)
+    add_hardening_arguments(serve_parser)
     add_routing_arguments(serve_parser, _env)
     serve_parser.set_defaults(handler=lambda args: serve(settings_from_args(args)))
     from mocker.cli import register

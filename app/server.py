@@ -21,6 +21,9 @@ from prometheus_client import CollectorRegistry
 
 from app import __version__
 from app.access_log import AccessLog
+from app.admission import Admission
+from app.auth import install_access
+from app.clients import ClientWatch
 from app.errors import install_error_handlers
 from app.fastpath import FastPath
 from app.gateway import Engine, Gateway, ServingOptions
@@ -31,6 +34,7 @@ from app.prepare.tokenizer import TokenizerNotFound, locate_tokenizer
 from app.routes import chat, completions, models, ops
 from app.schemas.openapi import install_openapi
 from app.settings import GatewaySettings
+from app.shutdown import Shutdown
 from multimodal import MediaPreparer
 from sidecar.errors import SidecarError
 from sidecar.routing.shared_load import SharedLoadBoard
@@ -88,6 +92,7 @@ def create_app(
     ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1).
     """
     registry = CollectorRegistry()
+    shutdown = Shutdown(settings.shutdown_grace)
     options = ServingOptions(
         tokenizer=settings.tokenizer,
         chat_template=settings.chat_template,
@@ -112,6 +117,11 @@ def create_app(
                     stack.push_async_callback(preparer.aclose)
                     hook = preparer
                 app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+                shutdown.on_expiry(app.state.admission.close)
+                close = getattr(serving, "close", None)
+                if close is not None and engine is None:
+                    # Pre-empting the engine streams ends each with an error event, not a cut.
+                    shutdown.on_expiry(close)
                 app.state.metrics.watch_engine(_engine_probe(serving))
             except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
                 log.error("startup failed: %s", getattr(exc, "message", None) or exc)
@@ -137,14 +147,17 @@ def create_app(
         app.state.metrics, AccessLog() if settings.access_log else None
     )
     app.state.started_at = int(time.time())
+    app.state.limits = settings.limits
+    app.state.admission = Admission(settings.admission, settings.workers)
+    app.state.shutdown = shutdown
     install_error_handlers(app)
-    app.add_middleware(
-        FastPath,
-        routes={
-            "/v1/chat/completions": chat.create_chat_completion,
-            "/v1/completions": completions.create_completion,
-        },
-    )
+    hot = {
+        "/v1/chat/completions": chat.create_chat_completion,
+        "/v1/completions": completions.create_completion,
+    }
+    app.add_middleware(FastPath, routes=hot)
+    app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
+    install_access(app, settings.access)
     for module in (chat, completions, models, ops):
         app.include_router(module.router)
     install_openapi(app)
@@ -177,6 +190,7 @@ async def _start_sidecar(
             endpoint=endpoint,
             startup_timeout=settings.startup_timeout,
             served_model_name=settings.served_model_name,
+            health_interval=settings.health_interval,
             decode_handoff_timeout=settings.decode_handoff_timeout,
         ),
         router,
@@ -220,6 +234,7 @@ async def _start_disaggregated(
             endpoint=endpoint,
             startup_timeout=settings.startup_timeout,
             served_model_name=settings.served_model_name,
+            health_interval=settings.health_interval,
             decode_handoff_timeout=settings.decode_handoff_timeout,
         )
         return Sidecar(config, build_router(routing, metrics, load))

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from app.admission import AdmissionConfig
+from app.auth import AccessConfig
+from app.limits import InputLimits
 from multimodal.types import MediaConfig
 from sidecar.routing.policy import RoutingConfig
 
@@ -40,6 +43,16 @@ class GatewaySettings:
     mock_speed: float = 1.0
     # Image fetching, validation and identity limits (``--media-mode`` and the image flags).
     media: MediaConfig = field(default_factory=MediaConfig)
+    # Hardening: body limits, API keys and CORS, admission control, client liveness, shutdown.
+    limits: InputLimits = field(default_factory=InputLimits)
+    access: AccessConfig = field(default_factory=AccessConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Seconds a stream's client may stop reading before the stream is cut; 0 never cuts.
+    stream_stall_timeout: float = 30.0
+    # Seconds in-flight requests get after SIGTERM before they are ended with an error.
+    shutdown_grace: float = 30.0
+    # How often the engine's health is checked (readiness, re-discovery after a restart).
+    health_interval: float = 1.0
     # Routing tunables (the ``routing`` flags); ``policy`` above selects the policy itself.
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 

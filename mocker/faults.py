@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
+from mocker.engine import EngineRequest
 from mocker.group import DpGroup
+from mocker.request import MockRequest
 from mocker.status import resource_exhausted
 
 SERVICES = ("", "vllm.Inference", "vllm.Control")
@@ -32,6 +34,7 @@ class Faults:
         self._group = group
         self._health = health
         self._rejection: Rejection | None = None
+        self._rank_rejections: dict[int, Rejection] = {}
         self._flapper: asyncio.Task[None] | None = None
         self._slow_start: asyncio.Task[None] | None = None
         self.serving = False
@@ -118,6 +121,30 @@ class Faults:
             if rejection.remaining == 0:
                 self._rejection = None
         raise resource_exhausted(rejection.message)
+
+    def refuse_on_rank(self, rank: int, count: int = -1, message: str = "rank overloaded") -> None:
+        """Refuse the next ``count`` requests (-1: all) that land on ``rank`` with
+        RESOURCE_EXHAUSTED while the other ranks and health stay fine: a fault local to one
+        rank, which a gateway may retry elsewhere. ``count`` 0 lifts it."""
+        engine = self._group.engines[rank]
+        self._rank_rejections[rank] = Rejection(count, message)
+        if count == 0:
+            del self._rank_rejections[rank]
+        if "submit" in vars(engine):
+            return
+        submit = engine.submit
+
+        def refusing(req: MockRequest) -> EngineRequest:
+            rejection = self._rank_rejections.get(rank)
+            if rejection is not None:
+                if rejection.remaining > 0:
+                    rejection.remaining -= 1
+                    if rejection.remaining == 0:
+                        del self._rank_rejections[rank]
+                raise resource_exhausted(rejection.message)
+            return submit(req)
+
+        setattr(engine, "submit", refusing)  # noqa: B010 (shadowing a method on one instance)
 
     # ---- disaggregation ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import grpc
+import msgspec
 
 from sidecar.channels import ChannelPool
 from sidecar.config import SidecarConfig
@@ -26,6 +27,7 @@ from sidecar.endpoint import parse_endpoint
 from sidecar.errors import (
     DiscoveryError,
     EngineFailure,
+    EngineOverloaded,
     EngineUnavailable,
     FailedPrecondition,
     InvalidRequest,
@@ -45,6 +47,9 @@ UNPINNED_RANK = -1
 CONTROL_RPC_TIMEOUT_S = 10.0
 LORA_CACHE_TTL_S = 5.0
 
+# A choice refused by its rank before its first byte is tried on this many other ranks.
+MAX_RANK_RETRIES = 2
+
 _EOF = grpc.aio.EOF
 _LIST_LORAS_REQUEST = control_pb2.ListLorasRequest()
 
@@ -53,6 +58,7 @@ class _Leg:
     """One engine request (one choice) and its bookkeeping, released exactly once."""
 
     __slots__ = (
+        "avoid",
         "call",
         "decoder",
         "done",
@@ -85,6 +91,8 @@ class _Leg:
         self.started = False
         self.done = False
         self.preempted = False
+        # Ranks that refused this choice already (retries before the first byte).
+        self.avoid: tuple[int, ...] = ()
 
 
 class Sidecar:
@@ -105,6 +113,8 @@ class Sidecar:
         self._in_flight: dict[int, int] = {}
         self._legs: dict[str, _Leg] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # Choices relaunched on another rank after a rank-local refusal (see ``_retry``).
+        self.retries = 0
         self._kv_off_logged = False
         self._loras: tuple[float, tuple[str, ...]] | None = None
         self._lora_fetch: asyncio.Task[tuple[str, ...]] | None = None
@@ -313,20 +323,28 @@ class Sidecar:
         unary = not request.stream and not handoff
         legs: list[_Leg] = []
         reads: dict[asyncio.Task[Any], _Leg] = {}
+        yielded = False
         try:
             for choice, message in enumerate(messages):
                 legs.append(self._launch(request, choice, message, want_logprobs, handoff, unary))
             if unary and len(legs) == 1:
                 # One reply message instead of one per token: a fraction of the gRPC work.
                 leg = legs[0]
-                try:
-                    response = await leg.call
-                except grpc.aio.AioRpcError as error:
-                    raise self._failure(leg, error) from None
-                except asyncio.CancelledError:
-                    if self._preempted(leg):
-                        raise self._shutdown_error() from None
-                    raise
+                while True:
+                    try:
+                        response = await leg.call
+                        break
+                    except grpc.aio.AioRpcError as error:
+                        failure = self._failure(leg, error)
+                        retry = self._retry(leg, failure, request, messages, want_logprobs, True)
+                        if retry is None:
+                            raise failure from None
+                        legs.append(retry)
+                        leg = retry
+                    except asyncio.CancelledError:
+                        if self._preempted(leg):
+                            raise self._shutdown_error() from None
+                        raise
                 yield self._on_reply(leg, response)
             elif unary:
                 for leg in legs:
@@ -338,11 +356,22 @@ class Sidecar:
                         try:
                             response = task.result()
                         except grpc.aio.AioRpcError as error:
-                            raise self._failure(leg, error) from None
+                            failure = self._failure(leg, error)
+                            retry = None
+                            if not yielded:
+                                retry = self._retry(
+                                    leg, failure, request, messages, want_logprobs, True
+                                )
+                            if retry is None:
+                                raise failure from None
+                            legs.append(retry)
+                            reads[asyncio.ensure_future(retry.call)] = retry
+                            continue
                         except asyncio.CancelledError:
                             if self._preempted(leg):
                                 raise self._shutdown_error() from None
                             raise
+                        yielded = True
                         yield self._on_reply(leg, response)
             elif len(legs) == 1 and not handoff:
                 # The common case reads in the consumer's own task: no extra task per token,
@@ -355,13 +384,23 @@ class Sidecar:
                     except StopAsyncIteration:
                         raise self._truncated(leg) from None
                     except grpc.aio.AioRpcError as error:
-                        raise self._failure(leg, error) from None
+                        failure = self._failure(leg, error)
+                        retry = None
+                        if not yielded:
+                            retry = self._retry(leg, failure, request, messages, want_logprobs)
+                        if retry is None:
+                            raise failure from None
+                        legs.append(retry)
+                        leg = retry
+                        responses = leg.call.__aiter__()
+                        continue
                     except asyncio.CancelledError:
                         if self._preempted(leg):
                             raise self._shutdown_error() from None
                         raise
                     delta = self._on_response(leg, response)
                     if delta is not None:
+                        yielded = True
                         yield delta
                         if leg.done:
                             return
@@ -375,7 +414,15 @@ class Sidecar:
                         try:
                             response = task.result()
                         except grpc.aio.AioRpcError as error:
-                            raise self._failure(leg, error) from None
+                            failure = self._failure(leg, error)
+                            retry = None
+                            if not yielded:
+                                retry = self._retry(leg, failure, request, messages, want_logprobs)
+                            if retry is None:
+                                raise failure from None
+                            legs.append(retry)
+                            reads[asyncio.ensure_future(retry.call.read())] = retry
+                            continue
                         except asyncio.CancelledError:
                             if self._preempted(leg):
                                 raise self._shutdown_error() from None
@@ -386,6 +433,7 @@ class Sidecar:
                         if not leg.done:
                             reads[asyncio.ensure_future(leg.call.read())] = leg
                         if delta is not None:
+                            yielded = True
                             yield delta
         finally:
             self._drop(legs, reads)
@@ -433,6 +481,58 @@ class Sidecar:
             leg.started = True
             ticket.first_token()
         return leg
+
+    def _retry(
+        self,
+        leg: _Leg,
+        failure: SidecarError,
+        request: PreparedRequest,
+        messages: Sequence[Any],
+        want_logprobs: bool,
+        unary: bool = False,
+    ) -> _Leg | None:
+        """Relaunch a choice that its rank refused before anything reached the client.
+
+        Only failures local to one rank qualify: RESOURCE_EXHAUSTED or an internal error from
+        a rank the router chose (never one the client pinned, never a decode hand-off, never
+        an engine that is unavailable as a whole). The next rank is the least loaded one not
+        tried yet; at most ``MAX_RANK_RETRIES`` times per choice.
+        """
+        current = self._current
+        if (
+            request.rank is not None
+            or leg.handoff
+            or leg.rank_key == UNPINNED_RANK
+            or current is None
+            or len(leg.avoid) >= MAX_RANK_RETRIES
+            or not isinstance(failure, (EngineOverloaded, EngineFailure))
+        ):
+            return None
+        avoid = (*leg.avoid, leg.rank_key)
+        others = [rank for rank in current.info.ranks if rank not in avoid]
+        if not others:
+            return None
+        target = min(others, key=lambda rank: self._in_flight.get(rank, 0))
+        self._release(leg)
+        log.info(
+            "request %s: rank %d refused it (%s); retrying on rank %d",
+            leg.request_id,
+            leg.rank_key,
+            failure.message,
+            target,
+        )
+        choice = leg.decoder.index
+        retry = self._launch(
+            msgspec.structs.replace(request, rank=target),
+            choice,
+            messages[choice],
+            want_logprobs,
+            False,
+            unary,
+        )
+        retry.avoid = avoid
+        self.retries += 1
+        return retry
 
     def _on_reply(self, leg: _Leg, response: Any) -> Delta:
         """The whole output of a unary call as one delta; a reply without a finish is an

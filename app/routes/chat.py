@@ -15,6 +15,7 @@ from app.respond.merge import close_stream, prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import chat_events, guarded
 from app.routes.common import (
+    admit,
     decode_body,
     gateway_of,
     pinned_rank,
@@ -71,19 +72,26 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         ),
         plan=prepared.plan,
     )
-    deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
+    permit = await admit(request, info, req.n, req.priority)
+    try:
+        deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
+    except BaseException:
+        permit.release()
+        raise
     gateway.chat.observe(prepared, deltas.first)
     headers = route_headers(deltas.first)
     if req.stream:
         observer = observer_of(request)
 
         def done(status: int) -> None:
+            permit.release()
             observer.finish(record, status)
 
         return EventStreamResponse(guarded(chat_events(ctx, deltas), deltas, done), headers)
     try:
         body = await unless_disconnected(request, chat_completion(ctx, deltas))
     finally:
+        permit.release()
         await close_stream(deltas)
     if body is None:
         return Response(status_code=499)

@@ -10,14 +10,16 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
-from app.errors import ApiError, from_decode_error, invalid
+from app.admission import Admission, Permit
+from app.errors import from_decode_error, invalid
 from app.gateway import Gateway
+from app.limits import InputLimits, check_depth, read_body
 from app.metrics import GatewayMetrics
 from sidecar.errors import EngineUnavailable
+from sidecar.types import EngineInfo
 
 T = TypeVar("T")
 RANK_HEADER = "x-data-parallel-rank"
-MAX_BODY_BYTES = 32 << 20
 
 
 def new_id() -> str:
@@ -37,20 +39,25 @@ def metrics_of(request: Request) -> GatewayMetrics:
 
 
 async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="too_large")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="too_large")
+    limits: InputLimits = request.app.state.limits
+    body = await read_body(request, limits.max_body_bytes)
     if not body:
         raise invalid("the request body is empty; send a JSON object", code="invalid_json")
+    check_depth(body, limits.max_json_depth)
     try:
         return decoder.decode(body)
     except msgspec.MsgspecError as exc:
         raise from_decode_error(exc) from None
+    except RecursionError:
+        raise invalid("The request body nests JSON too deeply.", code="json_too_deep") from None
     except UnicodeDecodeError as exc:
         raise invalid(f"the request body is not valid UTF-8: {exc}", code="invalid_json") from None
+
+
+async def admit(request: Request, info: EngineInfo, weight: int, priority: int) -> Permit:
+    """Slots for ``weight`` engine streams (or a 429); release the permit when they end."""
+    admission: Admission = request.app.state.admission
+    return await admission.acquire(info, weight, priority)
 
 
 def pinned_rank(request: Request) -> int | None:

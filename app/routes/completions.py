@@ -16,6 +16,7 @@ from app.respond.merge import close_stream, merged, prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import completion_events, guarded
 from app.routes.common import (
+    admit,
     decode_body,
     gateway_of,
     pinned_rank,
@@ -73,24 +74,31 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         ),
         echo=prepared.echo,
     )
+    permit = await admit(request, info, req.n * len(prepared.requests), req.priority)
     engine = gateway.engine
     source: AsyncIterator[Delta]
     if len(prepared.requests) == 1:
         source = engine.generate(prepared.requests[0])
     else:
         source = merged([engine.generate(p) for p in prepared.requests], req.n)
-    deltas = await prime(Tracked(source, record))
+    try:
+        deltas = await prime(Tracked(source, record))
+    except BaseException:
+        permit.release()
+        raise
     headers = route_headers(deltas.first)
     if req.stream:
         observer = observer_of(request)
 
         def done(status: int) -> None:
+            permit.release()
             observer.finish(record, status)
 
         return EventStreamResponse(guarded(completion_events(ctx, deltas), deltas, done), headers)
     try:
         body = await unless_disconnected(request, completion(ctx, deltas))
     finally:
+        permit.release()
         await close_stream(deltas)
     if body is None:
         return Response(status_code=499)

@@ -37,7 +37,7 @@ async def health() -> Response:
 )
 async def ready(request: Request) -> Response:
     gateway = getattr(request.app.state, "gateway", None)
-    if gateway is None or not gateway.engine.ready:
+    if gateway is None or not gateway.engine.ready or request.app.state.shutdown.draining:
         body = Readiness(ready=False, model=None, engine_version=None, dp_size=None)
         return Response(_ENCODER.encode(body), 503, {"Retry-After": "1"}, media_type=_JSON)
     info = gateway.engine.info

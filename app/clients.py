@@ -1,0 +1,149 @@
+"""Client liveness on the generation routes: hang-ups and readers that stopped reading.
+
+uvicorn's ``send`` returns silently once the client is gone, so a stream would keep the engine
+generating until ``max_tokens``; only a pending ``receive`` learns of the disconnect. Once the
+request body has been read this middleware keeps one such ``receive`` waiting and, when the
+client leaves before the response is complete, cancels the request's task: the cancellation
+unwinds through the route, which drops the engine streams (vLLM aborts them) within
+milliseconds, whether the request is queued for admission, waiting for its first token or
+streaming.
+
+A reader that stops reading fills the socket and the transport buffer (bounded by the
+transport's high-water mark), after which ``send`` blocks; the engine stream behind it is then
+held back by gRPC flow control. A stream whose ``send`` stays blocked for ``stall_timeout``
+is cut the same way, so one stuck reader cannot hold engine capacity forever. One shared
+sweeper checks the blocked sends; a stream costs a clock read per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+
+class _Cycle:
+    """One watched request/response."""
+
+    __slots__ = (
+        "_receive",
+        "_send",
+        "complete",
+        "cut",
+        "owner",
+        "since",
+        "stalled",
+        "task",
+        "tracked",
+        "watcher",
+    )
+
+    def __init__(self, owner: ClientWatch, task: asyncio.Task[Any], receive: Receive, send: Send):
+        self.owner = owner
+        self.task = task
+        self._receive = receive
+        self._send = send
+        self.watcher: asyncio.Task[None] | None = None
+        self.complete = False
+        self.cut = False
+        self.stalled = False
+        self.tracked = False
+        self.since = 0.0
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if (
+            self.watcher is None
+            and message["type"] == "http.request"
+            and not message.get("more_body", False)
+        ):
+            self.watcher = asyncio.get_running_loop().create_task(self._watch())
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body":
+            if not message.get("more_body", False):
+                self.complete = True
+            elif not self.tracked:
+                self.tracked = True
+                self.owner.track(self)
+        self.since = time.monotonic()
+        await self._send(message)
+        self.since = 0.0
+
+    async def _watch(self) -> None:
+        message = await self._receive()
+        if message["type"] == "http.disconnect" and not self.complete:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if not self.cut:
+            self.cut = True
+            self.task.cancel()
+
+    def close(self) -> None:
+        watcher = self.watcher
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+        self.owner.untrack(self)
+
+
+class ClientWatch:
+    def __init__(self, app: ASGIApp, paths: Iterable[str], stall_timeout: float) -> None:
+        self.app = app
+        self.paths = frozenset(paths)
+        self.stall_timeout = stall_timeout
+        self._streams: set[_Cycle] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self.disconnects = 0
+        self.stalls = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        cycle = _Cycle(self, task, receive, send)
+        try:
+            await self.app(scope, cycle.receive, cycle.send)
+        except asyncio.CancelledError:
+            if not cycle.cut:
+                raise
+            task.uncancel()
+            if cycle.stalled:
+                self.stalls += 1
+                log.warning("cut a stream whose client stopped reading for %gs", self.stall_timeout)
+            else:
+                self.disconnects += 1
+        finally:
+            cycle.close()
+
+    def track(self, cycle: _Cycle) -> None:
+        if not self.stall_timeout:
+            return
+        self._streams.add(cycle)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    def untrack(self, cycle: _Cycle) -> None:
+        self._streams.discard(cycle)
+
+    async def _sweep(self) -> None:
+        tick = min(1.0, self.stall_timeout / 4)
+        try:
+            while self._streams:
+                await asyncio.sleep(tick)
+                limit = time.monotonic() - self.stall_timeout
+                for cycle in [c for c in self._streams if c.since and c.since < limit]:
+                    cycle.stalled = True
+                    cycle.cancel()
+                    self._streams.discard(cycle)
+        finally:
+            self._sweeper = None

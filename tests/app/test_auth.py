@@ -1,0 +1,163 @@
+"""API keys and CORS through HTTP: which routes need a key, constant-time checks against
+several keys, keys from flags/env/file, keys kept out of logs, and CORS off unless asked."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.auth import AccessConfig, ApiKeyAuth, load_keys
+from app.cli import build_parser, settings_from_args
+from app.server import create_app
+from app.settings import GatewaySettings
+from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
+from tests.app.serving import serve_app
+from tests.conftest import TINY_TOKENIZER
+
+KEYS = ("sk-first-3f9a7c", "sk-second-81d2e0")
+CHAT = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+ORIGIN = "https://app.example"
+
+
+def gateway(access: AccessConfig) -> Iterator[httpx.Client]:
+    engine = ScriptedEngine(scripted_info(TINY_TOKENIZER), TINY_TOKENIZER)
+    app = create_app(GatewaySettings(access=access), engine=engine)
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def locked() -> Iterator[httpx.Client]:
+    yield from gateway(AccessConfig(api_keys=KEYS))
+
+
+@pytest.fixture(scope="module")
+def locked_metrics() -> Iterator[httpx.Client]:
+    yield from gateway(AccessConfig(api_keys=KEYS, protect_metrics=True, cors_origins=(ORIGIN,)))
+
+
+@pytest.fixture(scope="module")
+def open_gateway() -> Iterator[httpx.Client]:
+    yield from gateway(AccessConfig())
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{SCRIPTED_MODEL}"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+    ],
+)
+def test_every_v1_route_needs_a_key(locked: httpx.Client, method: str, path: str) -> None:
+    body = CHAT if path.endswith("chat/completions") else {"model": SCRIPTED_MODEL, "prompt": "x"}
+    kwargs = {"json": body} if method == "POST" else {}
+    missing = locked.request(method, path, **kwargs)  # type: ignore[arg-type]
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "missing_api_key"
+    assert missing.headers["www-authenticate"] == "Bearer"
+    wrong = locked.request(method, path, headers=bearer("sk-first-3f9a7d"), **kwargs)  # type: ignore[arg-type]
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    for key in KEYS:
+        good = locked.request(method, path, headers=bearer(key), **kwargs)  # type: ignore[arg-type]
+        assert good.status_code == 200, good.text
+
+
+def test_probes_and_metrics_stay_open_by_default(locked: httpx.Client) -> None:
+    for path in ("/health", "/ready", "/metrics", "/version"):
+        assert locked.get(path).status_code == 200, path
+
+
+def test_metrics_can_be_protected(locked_metrics: httpx.Client) -> None:
+    assert locked_metrics.get("/metrics").status_code == 401
+    assert locked_metrics.get("/metrics", headers=bearer(KEYS[1])).status_code == 200
+    assert locked_metrics.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["Basic " + KEYS[0], KEYS[0], "Bearer", "Bearer " + KEYS[0] + "x", "Bearer " + KEYS[0][:-1]],
+)
+def test_malformed_or_near_miss_credentials_are_refused(locked: httpx.Client, header: str) -> None:
+    response = locked.get("/v1/models", headers={"Authorization": header})
+    assert response.status_code == 401
+
+
+def test_scheme_is_case_insensitive(locked: httpx.Client) -> None:
+    assert locked.get("/v1/models", headers={"Authorization": f"bearer {KEYS[0]}"}).is_success
+
+
+def test_keys_never_reach_logs_or_reprs(
+    locked: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG):
+        locked.get("/v1/models", headers=bearer("sk-guess-000"))
+        locked.post("/v1/chat/completions", json=CHAT, headers=bearer(KEYS[0]))
+    text = caplog.text
+    assert all(key not in text for key in (*KEYS, "sk-guess-000"))
+    assert all(key not in repr(GatewaySettings(access=AccessConfig(api_keys=KEYS))) for key in KEYS)
+
+
+def test_cors_is_off_by_default(open_gateway: httpx.Client) -> None:
+    preflight = open_gateway.options(
+        "/v1/chat/completions",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in preflight.headers
+    plain = open_gateway.get("/v1/models", headers={"Origin": ORIGIN})
+    assert "access-control-allow-origin" not in plain.headers
+
+
+def test_cors_when_configured_answers_preflight_without_a_key(
+    locked_metrics: httpx.Client,
+) -> None:
+    preflight = locked_metrics.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    refused = locked_metrics.get("/v1/models", headers={"Origin": ORIGIN})
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == ORIGIN
+    other = locked_metrics.options(
+        "/v1/models",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "GET"},
+    )
+    assert other.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_keys_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nsk-file-1\n\nsk-file-2  # rotated 2026-11\nsk-flag\n")
+    monkeypatch.setenv("RANKGATE_API_KEY", "sk-env-1, sk-env-2")
+    args = build_parser().parse_args(
+        ["serve", "--api-key", "sk-flag", "--api-key-file", str(key_file), "--protect-metrics"]
+    )
+    settings = settings_from_args(args)
+    assert settings.access.api_keys == ("sk-flag", "sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2")
+    assert settings.access.protect_metrics
+    assert settings.access.cors_origins == ()
+    monkeypatch.delenv("RANKGATE_API_KEY")
+    assert load_keys(None, None) == ()
+
+
+def test_blank_keys_are_refused() -> None:
+    with pytest.raises(ValueError, match="API key"):
+        AccessConfig(api_keys=("sk ok",))
+    with pytest.raises(ValueError, match="at least one key"):
+        ApiKeyAuth(lambda *a: None, AccessConfig())  # type: ignore[arg-type]
