@@ -179,8 +179,12 @@ def test_prefill_failure_reaches_the_client_and_no_decode_is_sent(
     pair: Pair, split: httpx.Client
 ) -> None:
     decode_before = pair.totals("decode")
-    pair.prefill.faults.reject_requests(1, "prefill queue is full")
-    response = split.post("/v1/chat/completions", json=chat_body("refused at prefill"))
+    # Every rank refuses: a refusal by one rank alone is retried on another.
+    pair.prefill.faults.reject_requests(-1, "prefill queue is full")
+    try:
+        response = split.post("/v1/chat/completions", json=chat_body("refused at prefill"))
+    finally:
+        pair.prefill.faults.reject_requests(0)
     assert response.status_code == 429
     assert response.json()["error"]["message"].endswith("prefill queue is full")
     assert pair.totals("decode").requests_received == decode_before.requests_received
@@ -188,8 +192,11 @@ def test_prefill_failure_reaches_the_client_and_no_decode_is_sent(
 
 def test_decode_failure_reaches_the_client(pair: Pair, split: httpx.Client) -> None:
     prefill_before = pair.totals("prefill")
-    pair.decode.faults.reject_requests(1, "decode queue is full")
-    response = split.post("/v1/chat/completions", json=chat_body("refused at decode"))
+    pair.decode.faults.reject_requests(-1, "decode queue is full")
+    try:
+        response = split.post("/v1/chat/completions", json=chat_body("refused at decode"))
+    finally:
+        pair.decode.faults.reject_requests(0)
     assert response.status_code == 429
     assert response.json()["error"]["message"].endswith("decode queue is full")
     assert pair.totals("prefill").requests_served == prefill_before.requests_served + 1

@@ -1,0 +1,117 @@
+"""Clients that hang up over HTTP at each phase of a disaggregated request leave both mock
+engines with nothing stranded, nothing leaked and nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.disagg.conftest import Pair, chat_body, engine_pair, gateway_url
+
+# A long prompt prefills for about 2 s; a decode waits 1 s for its KV, then steps every 50 ms.
+SLOW = {
+    "prefill": {"prefill_seconds_per_token": 10e-3},
+    "decode": {"kv_transfer_seconds": 1.0, "decode_step_seconds": 0.05},
+}
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    with engine_pair(**SLOW) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def url(pair: Pair) -> Iterator[str]:
+    with gateway_url(pair) as base:
+        yield base
+
+
+async def until(condition: Callable[[], bool], within: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {within} s")
+        await asyncio.sleep(0.01)
+
+
+async def hang_up_when(url: str, body: dict[str, Any], condition: Callable[[], bool]) -> list[str]:
+    """Send ``body`` and drop the connection once ``condition()`` holds; the lines read."""
+    lines: list[str] = []
+
+    async def talk() -> None:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                lines.append(line)  # noqa: PERF401 (read while the stream runs)
+
+    task = asyncio.ensure_future(talk())
+    await until(lambda: condition() or task.done())
+    assert not task.done(), "the request ended before the client could hang up"
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return lines
+
+
+def long_prompt(tag: str) -> str:
+    return f"{tag}: " + " ".join(f"word{i}" for i in range(120))
+
+
+def assert_clean(pair: Pair) -> None:
+    for side in ("prefill", "decode"):
+        totals = pair.totals(side)
+        assert (totals.active, totals.leaked, totals.stranded_transfers) == (0, 0, 0), side
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_hang_up_during_prefill(pair: Pair, url: str, stream: bool) -> None:
+    prefill_before, decode_before = pair.totals("prefill"), pair.totals("decode")
+    body = chat_body(long_prompt(f"prefill-{stream}"), stream=stream, max_tokens=50)
+    await hang_up_when(url, body, lambda: pair.totals("prefill").running > prefill_before.running)
+    # Dropped at once, long before its two-second prefill could end; no decode was sent.
+    await until(pair.idle, within=1.5)
+    prefill = pair.totals("prefill")
+    assert prefill.aborts == prefill_before.aborts + 1
+    assert prefill.requests_served == prefill_before.requests_served
+    assert pair.totals("decode").requests_received == decode_before.requests_received
+    assert_clean(pair)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_hang_up_after_decode_submission(pair: Pair, url: str, stream: bool) -> None:
+    before = pair.totals("decode")
+    body = chat_body(f"submitted-{stream}", stream=stream, max_tokens=50)
+    await hang_up_when(url, body, lambda: pair.totals("decode").transferring == 1)
+    await asyncio.sleep(0.3)
+    # The client is gone; the decode stays attached until its KV transfer is done.
+    assert pair.totals("decode").transferring == 1
+    await until(pair.idle)
+    decode = pair.totals("decode")
+    assert decode.transfers_completed == before.transfers_completed + 1
+    assert decode.aborts == before.aborts + 1
+    assert_clean(pair)
+
+
+async def test_hang_up_after_the_first_token(pair: Pair, url: str) -> None:
+    decode_before = pair.totals("decode")
+    body = chat_body("first-token", stream=True, max_tokens=200)
+    lines = await hang_up_when(
+        url,
+        body,
+        lambda: pair.totals("decode").generated_tokens > decode_before.generated_tokens + 2,
+    )
+    assert any(line.startswith("data: ") for line in lines)
+    await until(pair.idle, within=5.0)
+    decode = pair.totals("decode")
+    assert decode.aborts == decode_before.aborts + 1
+    assert decode.generated_tokens - decode_before.generated_tokens < 100
+    assert_clean(pair)
