@@ -4,6 +4,11 @@ An engine without KV events is normal (the router then routes on load alone); an
 advertises events must advertise exactly one usable ZMQ publisher per served rank, otherwise
 the router would silently miss a rank's cache and mis-route. Wildcard bind addresses are only
 meaningful on the engine's host, so they are rewritten to the host the gateway reached gRPC on.
+
+vLLM's publisher binds only an endpoint with ``*`` or ``::`` in it, or an ipc/inproc one; any
+other endpoint it connects to, so the gateway must bind there (``KvEventSource.bind``): that is
+how an engine pushes its events to a gateway beside it (``tcp://127.0.0.1:P``). Its replay
+ROUTER always binds, so replay endpoints are only ever rewritten.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ def validate_kv_sources(
         if not endpoint:
             raise DiscoveryError(f"KV-event source for rank {rank} has an empty endpoint")
         replay = source.replay_endpoint.strip()
+        binds = publisher_binds(endpoint)
         by_rank[rank] = KvEventSource(
             rank=rank,
-            endpoint=rewrite_wildcard(endpoint, grpc_host),
+            endpoint=rewrite_wildcard(endpoint, grpc_host) if binds else endpoint,
             replay_endpoint=rewrite_wildcard(replay, grpc_host) if replay else None,
             topic=source.topic,
+            bind=not binds,
         )
     if not by_rank:
         return ()
@@ -59,6 +66,11 @@ def validate_kv_sources(
     if missing:
         raise DiscoveryError(f"no KV-event source for data-parallel ranks {missing}")
     return tuple(by_rank[rank] for rank in sorted(by_rank))
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """Whether vLLM's ZMQ publisher binds ``endpoint`` (else it connects to it)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def rewrite_wildcard(endpoint: str, grpc_host: str) -> str:

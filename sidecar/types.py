@@ -148,6 +148,9 @@ class KvEventSource(msgspec.Struct, frozen=True):
     endpoint: str
     replay_endpoint: str | None
     topic: str
+    # vLLM's publisher connects to ``endpoint`` rather than binding it (a concrete host, not
+    # ``*``/``::``/ipc/inproc): the subscriber must then bind that address itself.
+    bind: bool = False
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

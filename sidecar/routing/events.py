@@ -11,7 +11,11 @@ Sequence numbers are tracked per rank. A gap asks the rank's replay ROUTER for t
 batches (live batches are held back meanwhile, bounded); when replay cannot cover the gap, or
 there is no replay endpoint, the rank's index is purged and rebuilt from live events. A
 sequence that goes backwards is a restarted publisher: purge, then backfill from its start.
-ZMQ reconnects SUB and DEALER sockets on its own.
+ZMQ reconnects SUB and DEALER sockets on its own. A publisher that connects rather than binds
+(``KvEventSource.bind``) is served by binding its address here; while that address is taken
+(a previous intake still closing, another process) the bind is retried. Such a publisher drops
+what it sends before its connection is up, and nothing tells the subscriber when that is, so
+until its first batch arrives the rank's replay buffer is polled for what was missed.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from sidecar.types import KvEventSource
 log = logging.getLogger(__name__)
 
 END_OF_REPLAY = b"\xff" * 8
+BIND_RETRY_S = 0.5
+SYNC_PROBE_S = 1.0
 
 _STORED_FIELDS = (
     "block_hashes",
@@ -118,6 +124,13 @@ class _Feed:
         self.held: deque[tuple[int, bytes]] = deque()
         self.batches = 0
         self.last_lag = 0.0
+        # Set while a bind-mode subscription waits for its address (retried at ``bind_at``).
+        self.unbound = False
+        self.bind_at = 0.0
+        # A bind-mode feed with nothing applied yet asks replay for batch 0 on at ``probe_at``;
+        # ``probing`` marks such a replay, which fails quietly.
+        self.probe_at = 0.0
+        self.probing = False
 
 
 class KvEventIntake:
@@ -186,8 +199,8 @@ class KvEventIntake:
                 sub.setsockopt(zmq.RECONNECT_IVL, 100)
                 sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
                 sub.setsockopt(zmq.SUBSCRIBE, feed.source.topic.encode("utf-8"))
-                sub.connect(feed.source.endpoint)
                 feed.sub = sub
+                self._open(feed)
                 self._watch(sub, feed)
             self._ready.set()
             timeout_ms = max(1, int(self.settings.poll_interval * 1000))
@@ -202,12 +215,26 @@ class KvEventIntake:
                         self._drain_replay(owner)
                 now = time.monotonic()
                 for feed in self._feeds:
-                    if feed.replay is not None and now > feed.replay_deadline:
+                    if feed.unbound and now >= feed.bind_at:
+                        self._open(feed)
+                    if feed.replay is not None and feed.probing and now > feed.replay_deadline:
+                        self._end_replay(feed)
+                        self._release_held(feed)
+                    elif feed.replay is not None and now > feed.replay_deadline:
                         self._metrics.replays.labels(feed.label, "timeout").inc()
                         self._end_replay(feed)
                         self._purge(feed, "replay")
                         feed.expected = None
                         self._release_held(feed)
+                    if (
+                        feed.source.bind
+                        and feed.expected is None
+                        and feed.replay is None
+                        and feed.source.replay_endpoint
+                        and now >= feed.probe_at
+                    ):
+                        feed.probe_at = now + SYNC_PROBE_S
+                        self._begin_replay(feed, 0, probe=True)
         except Exception:
             log.exception("KV-event intake stopped on an unexpected error")
         finally:
@@ -216,6 +243,32 @@ class KvEventIntake:
             self._by_socket.clear()
             self._context.term()
             self._ready.set()
+
+    def _open(self, feed: _Feed) -> None:
+        """Connect to a binding publisher, or bind the address a connecting one dials."""
+        assert feed.sub is not None
+        endpoint = feed.source.endpoint
+        if not feed.source.bind:
+            feed.sub.connect(endpoint)
+            return
+        try:
+            feed.sub.bind(endpoint)
+        except zmq.ZMQError as error:
+            if not feed.unbound:
+                log.warning(
+                    "rank %s publishes KV events by connecting to %s, which this gateway cannot "
+                    "bind (%s); retrying every %.1f s",
+                    feed.label,
+                    endpoint,
+                    error,
+                    BIND_RETRY_S,
+                )
+            feed.unbound = True
+            feed.bind_at = time.monotonic() + BIND_RETRY_S
+            return
+        if feed.unbound:
+            log.info("bound %s for rank %s's KV events", endpoint, feed.label)
+        feed.unbound = False
 
     def _watch(self, socket: zmq.Socket[bytes], feed: _Feed) -> None:
         self._by_socket[socket] = feed
@@ -268,7 +321,8 @@ class KvEventIntake:
         feed.expected = None
         self._on_live(feed, seq, payload, allow_replay)
 
-    def _begin_replay(self, feed: _Feed, start: int) -> None:
+    def _begin_replay(self, feed: _Feed, start: int, probe: bool = False) -> None:
+        feed.probing = probe
         endpoint = feed.source.replay_endpoint
         assert endpoint is not None
         dealer = self._context.socket(zmq.DEALER)
@@ -287,7 +341,10 @@ class KvEventIntake:
             except zmq.Again:
                 return
             if len(frames) >= 2 and frames[-2] == END_OF_REPLAY:
-                self._metrics.replays.labels(feed.label, "complete").inc()
+                if not feed.probing:
+                    self._metrics.replays.labels(feed.label, "complete").inc()
+                elif feed.expected is not None:
+                    self._metrics.replays.labels(feed.label, "sync").inc()
                 self._end_replay(feed)
                 self._release_held(feed)
                 return

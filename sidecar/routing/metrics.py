@@ -129,7 +129,7 @@ class RoutingMetrics:
         )
         self.replays = Counter(
             "rankgate_kv_event_replays",
-            "Replay requests, by rank and outcome (complete, incomplete, timeout, overflow).",
+            "Replay requests, by rank and outcome (complete, incomplete, timeout, overflow, sync).",
             ["rank", "outcome"],
             registry=registry,
         )

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from sidecar.errors import DiscoveryError
-from sidecar.kv_sources import rewrite_wildcard, validate_kv_sources
+from sidecar.kv_sources import publisher_binds, rewrite_wildcard, validate_kv_sources
 from sidecar.proto.vllm import control_pb2
 from sidecar.types import KvEventSource
 
@@ -25,12 +25,41 @@ def test_empty_list_means_kv_events_off() -> None:
 def test_one_source_per_rank_sorted_and_rewritten() -> None:
     sources = [
         source(1, "tcp://*:5558", replay_endpoint="tcp://*:6668", topic="kv"),
-        source(0, "tcp://0.0.0.0:5557", replay_endpoint="tcp://[::]:6667"),
+        source(0, "tcp://[::]:5557", replay_endpoint="tcp://0.0.0.0:6667"),
     ]
     assert validate_kv_sources(sources, (0, 1), "10.0.0.5") == (
         KvEventSource(0, "tcp://10.0.0.5:5557", "tcp://10.0.0.5:6667", ""),
         KvEventSource(1, "tcp://10.0.0.5:5558", "tcp://10.0.0.5:6668", "kv"),
     )
+
+
+def test_publishers_that_connect_are_bound_by_the_gateway_at_their_own_address() -> None:
+    """vLLM binds only ``*``/``::``/ipc/inproc endpoints and connects to any other, 0.0.0.0
+    included; its replay ROUTER always binds, so replay endpoints are rewritten as before."""
+    sources = [
+        source(0, "tcp://127.0.0.1:5557", replay_endpoint="tcp://0.0.0.0:6667"),
+        source(1, "tcp://0.0.0.0:5558"),
+    ]
+    assert validate_kv_sources(sources, (0, 1), "10.0.0.5") == (
+        KvEventSource(0, "tcp://127.0.0.1:5557", "tcp://10.0.0.5:6667", "", bind=True),
+        KvEventSource(1, "tcp://0.0.0.0:5558", None, "", bind=True),
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "binds"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://[::]:5557", True),
+        ("ipc:///tmp/kv", True),
+        ("inproc://kv", True),
+        ("tcp://0.0.0.0:5557", False),
+        ("tcp://10.1.1.1:5557", False),
+        ("tcp://gateway.local:5557", False),
+    ],
+)
+def test_publisher_bind_rule_is_vllms(endpoint: str, binds: bool) -> None:
+    assert publisher_binds(endpoint) is binds
 
 
 def test_non_zmq_sources_are_skipped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
