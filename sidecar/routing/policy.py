@@ -94,6 +94,8 @@ def build_router(
     ``shared_load`` is the board worker processes share their per-rank load through.
     """
     metrics = routing_metrics(registry)
+    # Every tunable, once per router: what an operator's flags and environment amounted to.
+    log.info("routing: %r", config)
     if config.policy == "engine":
         return EngineRouter(metrics)
     router: _CountingRouter
