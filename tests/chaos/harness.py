@@ -1,0 +1,168 @@
+"""A mock vLLM (its own thread) behind a real gateway (uvicorn on another thread), and the
+client-side checks every chaos test makes: complete or cleanly failed responses, no leaked
+engine request, no in-flight count left behind, and a gateway that still serves."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI
+
+from app.server import create_app
+from app.settings import GatewaySettings
+from mocker.config import MockEngineConfig
+from mocker.testing import MockEngineHandle, running_mock_engine
+from tests.app.serving import serve_app
+from tests.conftest import TINY_TOKENIZER
+from tests.support.ports import free_port, free_port_range
+
+MODEL = "chaos-llm"
+BASE = MockEngineConfig(
+    host="127.0.0.1",
+    port=0,
+    dp_size=2,
+    block_size=16,
+    model=MODEL,
+    tokenizer=str(TINY_TOKENIZER),
+    speed=0.0,
+    max_model_len=65536,
+)
+
+
+def engine_config(**overrides: Any) -> MockEngineConfig:
+    fields: dict[str, Any] = {
+        "port": free_port(),
+        "kv_events_port": free_port_range(2),
+        "kv_replay_port": free_port_range(2),
+    }
+    fields.update(overrides)
+    return replace(BASE, **fields)
+
+
+@contextmanager
+def mock_engine(
+    config: MockEngineConfig | None = None, **overrides: Any
+) -> Iterator[MockEngineHandle]:
+    config = replace(config, **overrides) if config is not None else engine_config(**overrides)
+    with running_mock_engine(config) as handle:
+        yield handle
+
+
+@dataclass
+class Gateway:
+    url: str
+    app: FastAPI
+    http: httpx.Client
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def in_flight(self) -> dict[int, int]:
+        counts: dict[int, int] = self.app.state.gateway.engine.in_flight()
+        return counts
+
+
+@contextmanager
+def gateway(handle: MockEngineHandle, **overrides: Any) -> Iterator[Gateway]:
+    settings: dict[str, Any] = {
+        "engine": handle.target,
+        "tokenizer": str(TINY_TOKENIZER),
+        "health_interval": 0.05,
+        "startup_timeout": 30.0,
+    }
+    settings.update(overrides)
+    app = create_app(GatewaySettings(**settings))
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        yield Gateway(url, app, http)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what or check}")
+        time.sleep(0.01)
+
+
+def chat(content: str = "hello", **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+@dataclass
+class StreamResult:
+    status: int
+    events: list[dict[str, Any]]
+    done: int
+    text: str
+    error: dict[str, Any] | None
+    finish: str | None
+
+
+def stream(
+    http: httpx.Client, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> StreamResult:
+    """One streamed request, read to its end: every event, the [DONE] count, any error."""
+    events: list[dict[str, Any]] = []
+    done = 0
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            response.read()
+            return StreamResult(response.status_code, [], 0, "", response.json()["error"], None)
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done += 1
+                continue
+            events.append(orjson.loads(data))
+    error = next((e["error"] for e in events if "error" in e), None)
+    text = ""
+    finish = None
+    for event in events:
+        for choice in event.get("choices", ()):
+            delta = choice.get("delta") or {}
+            text += delta.get("content") or choice.get("text") or ""
+            finish = choice.get("finish_reason") or finish
+    return StreamResult(200, events, done, text, error, finish)
+
+
+def assert_clean(handle: MockEngineHandle, gw: Gateway, timeout: float = 10.0) -> None:
+    """No engine request left behind, no in-flight count, and the gateway still serves."""
+    handle.wait_idle(timeout)
+    for rank, stats in handle.all_stats().items():
+        assert stats.leaked == 0, f"rank {rank} leaked {stats.leaked} requests"
+    eventually(lambda: not any(gw.in_flight().values()), timeout, "in-flight counts return to 0")
+    eventually(lambda: gw.http.get("/ready").status_code == 200, timeout, "gateway ready")
+    response = gw.http.post("/v1/chat/completions", json=chat("still there?", max_tokens=4))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def raw_stream_request(port: int, body: dict[str, Any], rcvbuf: int | None = None) -> socket.socket:
+    """A streaming POST on a raw socket, so a test controls exactly when it reads or hangs up."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    payload = orjson.dumps({**body, "stream": True})
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
+    return sock
+
+
+def refuse_on_rank(handle: MockEngineHandle, rank: int, count: int = -1) -> None:
+    """RESOURCE_EXHAUSTED from one rank only (``count`` 0 lifts it)."""
+    faults = handle.server.faults
+    assert faults is not None
+    handle.call(lambda: faults.refuse_on_rank(rank, count, f"rank {rank} queue full"))
