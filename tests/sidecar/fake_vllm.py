@@ -183,8 +183,10 @@ class _Inference(inference_pb2_grpc.InferenceServicer):
             stream = fake.stream or fake.default_stream
             async for response in stream(request, context):
                 yield response
-        except asyncio.CancelledError:
-            # The client dropped the stream: what vLLM turns into an abort.
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client dropped the stream: what vLLM turns into an abort. The server cancels
+            # its task wherever that task waits; when that was while sending, not inside this
+            # generator, the generator learns of it only by being closed.
             fake.dropped.append(request.request_id)
             raise
         finally:

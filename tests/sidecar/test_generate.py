@@ -184,6 +184,8 @@ async def test_one_failing_choice_fails_the_request_and_drops_the_others(
 ) -> None:
     async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
         if request.request_id.endswith("-1"):
+            # Fail only once the other choices run, so that dropping them is observable.
+            await eventually(lambda: len(fake.fake.active) == 3)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad choice")
         while True:
             yield inference_pb2.GenerateResponse(

@@ -1,0 +1,495 @@
+"""The lean HTTP/2 gRPC client (``sidecar.http2`` behind ``sidecar.inference_client``).
+
+Against grpcio's own server: flow control both ways with messages far larger than the default
+windows, hundreds of concurrent streams, a peer stream limit, status codes with escaped
+messages, cancellation reaching the server, size limits and reconnection after a restart.
+Against a scripted raw HTTP/2 peer: padding, CONTINUATION, Huffman-coded headers, Trailers-Only
+replies, HTTP errors, RST_STREAM, GOAWAY, compressed messages and PING answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import hpack
+import pytest
+
+from sidecar import http2
+from sidecar.endpoint import parse_endpoint
+from sidecar.inference_client import InferenceClient
+from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from tests.support.ports import free_port
+
+MAX_MESSAGE = 64 << 20
+
+
+def _request(request_id: str = "r", prompt: int = 4, tokens: int = 3) -> Any:
+    return inference_pb2.GenerateRequest(
+        request_id=request_id,
+        token_ids=inference_pb2.TokenIds(ids=range(prompt)),
+        stopping=inference_pb2.StoppingCriteria(max_new_tokens=tokens),
+    )
+
+
+class _Echo(inference_pb2_grpc.InferenceServicer):
+    """Generate answers the prompt length and ``max_new_tokens`` characters of text; the
+    stream sends one token per message. Special request ids trigger errors."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def Generate(self, request: Any, context: Any) -> Any:
+        await self._check(request, context)
+        await self.gate.wait()
+        return inference_pb2.GenerateResponse(
+            prompt_info=inference_pb2.PromptInfo(num_prompt_tokens=len(request.token_ids.ids)),
+            outputs=inference_pb2.SequenceOutput(
+                text="x" * request.stopping.max_new_tokens,
+                finish_info=inference_pb2.FinishInfo(finish_reason=inference_pb2.FinishInfo.LENGTH),
+            ),
+        )
+
+    async def GenerateStream(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        await self._check(request, context)
+        try:
+            yield inference_pb2.GenerateResponse(
+                prompt_info=inference_pb2.PromptInfo(num_prompt_tokens=len(request.token_ids.ids))
+            )
+            for i in range(request.stopping.max_new_tokens):
+                if request.request_id.startswith("slow"):
+                    await asyncio.sleep(0.01)
+                yield inference_pb2.GenerateResponse(
+                    outputs=inference_pb2.SequenceOutput(text=f"t{i}", token_ids=[i])
+                )
+            if request.request_id == "fail-late":
+                await context.abort(grpc.StatusCode.INTERNAL, "engine core died")
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def _check(self, request: Any, context: Any) -> None:
+        if request.request_id == "invalid":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad: 100% wrong\nreally ✗")
+        if request.request_id == "busy":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests")
+
+
+class _GrpcServer:
+    def __init__(self, options: tuple[tuple[str, Any], ...] = ()) -> None:
+        self.echo = _Echo()
+        self.port = free_port()
+        self.options = (
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            *options,
+        )
+        self.server: Any = None
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server(options=self.options)
+        add: Any = inference_pb2_grpc.add_InferenceServicer_to_server
+        add(self.echo, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=None)
+
+
+@contextlib.asynccontextmanager
+async def _grpc_server(*options: tuple[str, Any]) -> AsyncIterator[tuple[_GrpcServer, Any]]:
+    server = _GrpcServer(options)
+    await server.start()
+    client = InferenceClient(parse_endpoint(f"127.0.0.1:{server.port}"), MAX_MESSAGE)
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def _all(call: Any) -> list[Any]:
+    return [message async for message in call]
+
+
+async def test_unary_and_stream_replies() -> None:
+    async with _grpc_server() as (_, client):
+        reply = await client.Generate(_request(prompt=7, tokens=5))
+        assert reply.prompt_info.num_prompt_tokens == 7
+        assert reply.outputs.text == "xxxxx"
+        messages = await _all(client.GenerateStream(_request(tokens=4)))
+        assert messages[0].HasField("prompt_info")
+        assert [m.outputs.text for m in messages[1:]] == ["t0", "t1", "t2", "t3"]
+        call = client.GenerateStream(_request(tokens=1))
+        await _all(call)
+        assert await call.read() is grpc.aio.EOF
+
+
+async def test_messages_far_beyond_the_flow_control_windows() -> None:
+    """A 4 MB request (default send window 64 KiB) and an 8 MB reply (our stream window is
+    4 MiB): both must wait for and grant WINDOW_UPDATEs to get through."""
+    async with _grpc_server() as (_, client):
+        reply = await client.Generate(_request(prompt=1_000_000, tokens=8 << 20))
+        assert reply.prompt_info.num_prompt_tokens == 1_000_000
+        assert len(reply.outputs.text) == 8 << 20
+
+
+async def test_hundreds_of_concurrent_streams_on_one_connection() -> None:
+    async with _grpc_server() as (_, client):
+        calls = [client.GenerateStream(_request(f"c{i}", tokens=20)) for i in range(300)]
+        results = await asyncio.gather(*(_all(c) for c in calls))
+        assert all(len(r) == 21 for r in results)
+
+
+async def test_the_peer_stream_limit_queues_calls() -> None:
+    async with _grpc_server(("grpc.max_concurrent_streams", 2)) as (_, client):
+        await client.Generate(_request())  # learn the peer's SETTINGS
+        calls = [client.GenerateStream(_request(f"slow{i}", tokens=5)) for i in range(12)]
+        results = await asyncio.gather(*(_all(c) for c in calls))
+        assert all(len(r) == 6 for r in results)
+
+
+async def test_status_codes_and_escaped_messages() -> None:
+    async with _grpc_server() as (_, client):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.Generate(_request("invalid"))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == "bad: 100% wrong\nreally ✗"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _all(client.GenerateStream(_request("busy")))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_messages_before_a_late_error_are_delivered_first() -> None:
+    async with _grpc_server() as (_, client):
+        call = client.GenerateStream(_request("fail-late", tokens=3))
+        received = [await call.read() for _ in range(4)]
+        assert [m.outputs.text for m in received[1:]] == ["t0", "t1", "t2"]
+        with pytest.raises(grpc.aio.AioRpcError, match="engine core died"):
+            await call.read()
+
+
+async def test_cancel_reaches_the_server_and_the_reader() -> None:
+    async with _grpc_server() as (server, client):
+        call = client.GenerateStream(_request("slow-cancel", tokens=1000))
+        await call.read()
+        reader = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0)
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert call.cancelled()
+        assert not call.cancel()
+        for _ in range(200):
+            if server.echo.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert server.echo.cancelled == ["slow-cancel"]
+        # The connection stays usable.
+        assert (await client.Generate(_request(tokens=2))).outputs.text == "xx"
+
+
+async def test_a_cancelled_unary_call_raises_cancelled() -> None:
+    async with _grpc_server() as (server, client):
+        server.echo.gate.clear()
+        call = client.Generate(_request())
+        waiter = asyncio.ensure_future(call)
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+
+async def test_message_size_limits() -> None:
+    async with _grpc_server() as (server, _):
+        small = InferenceClient(parse_endpoint(f"127.0.0.1:{server.port}"), 1000)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await small.Generate(_request(tokens=5000))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await small.Generate(_request(prompt=2000))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await small.Generate(_request(tokens=10))).outputs.text == "x" * 10
+        finally:
+            await small.close()
+
+
+async def test_engine_down_then_restarted() -> None:
+    server = _GrpcServer()
+    client = InferenceClient(parse_endpoint(f"127.0.0.1:{server.port}"), MAX_MESSAGE)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.Generate(_request())
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        await server.start()
+        assert (await client.Generate(_request(tokens=1))).outputs.text == "x"
+        call = client.GenerateStream(_request("slow-down", tokens=1000))
+        await call.read()
+        await server.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _all(call)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        server.server = None
+        await server.start()
+        assert (await client.Generate(_request(tokens=2))).outputs.text == "xx"
+    finally:
+        await client.close()
+        if server.server is not None:
+            await server.stop()
+    with pytest.raises(grpc.aio.AioRpcError, match="closed"):
+        await client.Generate(_request())
+
+
+# ---------------------------------------------------------------- a scripted raw peer
+
+Frames = list[tuple[int, int, int, bytes]]
+Script = Callable[["_Peer", int, str], Awaitable[None]]
+_HEAD = struct.Struct(">HBBBL")
+
+
+class _Peer:
+    """A raw HTTP/2 server: reads the client's frames, and answers each request (HEADERS, then
+    DATA up to END_STREAM) by running ``script`` with its stream id and request id."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.encoder = hpack.Encoder()
+        self.received: Frames = []
+        self.writer: asyncio.StreamWriter | None = None
+        self.connections = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writer = writer
+        self.encoder = hpack.Encoder()
+        bodies: dict[int, bytes] = {}
+        try:
+            assert await reader.readexactly(24) == http2.PREFACE
+            writer.write(http2.frame(http2.SETTINGS, 0, 0))
+            while True:
+                head = await reader.readexactly(9)
+                hi, lo, kind, flags, stream_id = _HEAD.unpack(head)
+                payload = await reader.readexactly((hi << 8) | lo)
+                self.received.append((kind, flags, stream_id, payload))
+                if kind == http2.DATA:
+                    body = bodies.pop(stream_id, b"") + payload
+                    if flags & http2.END_STREAM:
+                        request = inference_pb2.GenerateRequest.FromString(body[5:])
+                        await self.script(self, stream_id, request.request_id)
+                    else:
+                        bodies[stream_id] = body
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def send(self, kind: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
+        assert self.writer is not None
+        self.writer.write(http2.frame(kind, flags, stream_id, payload))
+
+    def headers(self, pairs: list[tuple[str, str]], huffman: bool = True) -> bytes:
+        return bytes(self.encoder.encode(pairs, huffman=huffman))
+
+    def reply(self, stream_id: int, *messages: bytes, status: int = 0, message: str = "") -> None:
+        self.send(http2.HEADERS, http2.END_HEADERS, stream_id, self.headers(_OK))
+        for payload in messages:
+            self.send(http2.DATA, 0, stream_id, http2.grpc_message(payload))
+        trailers = [("grpc-status", str(status))] + ([("grpc-message", message)] if message else [])
+        self.send(
+            http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, stream_id, self.headers(trailers)
+        )
+
+
+_OK = [(":status", "200"), ("content-type", "application/grpc")]
+_TOKEN = inference_pb2.GenerateResponse(
+    outputs=inference_pb2.SequenceOutput(text="tok", token_ids=[7])
+).SerializeToString()
+
+
+@contextlib.asynccontextmanager
+async def _peer(script: Script) -> AsyncIterator[tuple[_Peer, InferenceClient]]:
+    peer = _Peer(script)
+    server = await asyncio.start_server(peer.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = InferenceClient(parse_endpoint(f"127.0.0.1:{port}"), MAX_MESSAGE)
+    try:
+        yield peer, client
+    finally:
+        await client.close()
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 2)
+
+
+async def _code_of(call: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _all(call)
+    code: grpc.StatusCode = caught.value.code()
+    return code
+
+
+async def test_padding_continuation_and_split_messages() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        block = peer.headers(_OK)
+        # HEADERS padded and with priority, its block split across a CONTINUATION.
+        priority = b"\x00\x00\x00\x00\x10"
+        peer.send(http2.HEADERS, http2.PADDED | http2.PRIORITY_FLAG, sid,
+                  b"\x03" + priority + block[:1] + b"pad")  # fmt: skip
+        peer.send(http2.CONTINUATION, http2.END_HEADERS, sid, block[1:])
+        # One message split over three DATA frames, the middle one padded; then two in one.
+        one = http2.grpc_message(_TOKEN)
+        peer.send(http2.DATA, 0, sid, one[:3])
+        peer.send(http2.DATA, http2.PADDED, sid, b"\x02" + one[3:9] + b"\x00\x00")
+        peer.send(http2.DATA, 0, sid, one[9:])
+        peer.send(http2.DATA, 0, sid, one + one)
+        peer.send(
+            http2.HEADERS,
+            http2.END_HEADERS | http2.END_STREAM,
+            sid,
+            peer.headers([("grpc-status", "0")], huffman=False),
+        )
+
+    async with _peer(script) as (_, client):
+        messages = await _all(client.GenerateStream(_request()))
+        assert [m.outputs.token_ids[0] for m in messages] == [7, 7, 7]
+
+
+async def test_trailers_only_and_http_errors() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        if rid == "trailers-only":
+            pairs = [*_OK, ("grpc-status", "5"), ("grpc-message", "model%20missing")]
+            peer.send(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid, peer.headers(pairs))
+        elif rid == "http-503":
+            peer.send(
+                http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid,
+                peer.headers([(":status", "503")]),
+            )  # fmt: skip
+        elif rid == "no-trailers":
+            peer.send(http2.HEADERS, http2.END_HEADERS, sid, peer.headers(_OK))
+            peer.send(http2.DATA, http2.END_STREAM, sid, http2.grpc_message(_TOKEN))
+        else:
+            peer.reply(sid, _TOKEN, status=99)
+
+    async with _peer(script) as (_, client):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.Generate(_request("trailers-only"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert caught.value.details() == "model missing"
+        code = await _code_of(client.GenerateStream(_request("http-503")))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        code = await _code_of(client.GenerateStream(_request("no-trailers")))
+        assert code == grpc.StatusCode.INTERNAL
+        code = await _code_of(client.GenerateStream(_request("unknown-status")))
+        assert code == grpc.StatusCode.UNKNOWN
+
+
+async def test_unary_reply_shapes() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        if rid == "none":
+            peer.reply(sid)
+        else:
+            peer.reply(sid, _TOKEN, _TOKEN)
+
+    async with _peer(script) as (_, client):
+        with pytest.raises(grpc.aio.AioRpcError, match="no reply"):
+            await client.Generate(_request("none"))
+        with pytest.raises(grpc.aio.AioRpcError, match="more than one reply"):
+            await client.Generate(_request("two"))
+
+
+async def test_reset_compressed_and_oversized_messages() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        peer.send(http2.HEADERS, http2.END_HEADERS, sid, peer.headers(_OK))
+        if rid == "compressed":
+            peer.send(http2.DATA, 0, sid, b"\x01" + struct.pack(">L", 1) + b"z")
+        elif rid == "huge":
+            peer.send(http2.DATA, 0, sid, b"\x00" + struct.pack(">L", MAX_MESSAGE + 1) + b"z")
+        else:
+            peer.send(http2.RST_STREAM, 0, sid, struct.pack(">L", http2.ENHANCE_YOUR_CALM))
+
+    async with _peer(script) as (peer, client):
+        code = await _code_of(client.GenerateStream(_request("compressed")))
+        assert code == grpc.StatusCode.INTERNAL
+        code = await _code_of(client.GenerateStream(_request("huge")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        code = await _code_of(client.GenerateStream(_request("calm")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await asyncio.sleep(0.05)
+        # We told the peer to stop streams 1 and 3 (CANCEL), never 5 (reset by the peer).
+        resets = [sid for kind, _, sid, _ in peer.received if kind == http2.RST_STREAM]
+        assert resets == [1, 3]
+
+
+async def test_refused_streams_are_sent_again_a_bounded_number_of_times() -> None:
+    tries: dict[str, int] = {}
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        tries[rid] = tries.get(rid, 0) + 1
+        if rid == "always" or tries[rid] == 1:
+            peer.send(http2.RST_STREAM, 0, sid, struct.pack(">L", http2.REFUSED_STREAM))
+        else:
+            peer.reply(sid, _TOKEN)
+
+    async with _peer(script) as (_, client):
+        assert len(await _all(client.GenerateStream(_request("once")))) == 1
+        assert tries["once"] == 2
+        code = await _code_of(client.GenerateStream(_request("always")))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert tries["always"] == http2.MAX_TRIES + 1
+
+
+async def test_goaway_moves_untaken_streams_to_a_new_connection() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        if rid == "second" and peer.connections == 1:
+            # Stream 1 ("first") is still open and was taken; stream 3 was not.
+            peer.send(http2.GOAWAY, 0, 0, struct.pack(">LL", 1, 0))
+            peer.reply(1, _TOKEN)
+        elif rid != "first":
+            peer.reply(sid, _TOKEN, _TOKEN)
+
+    async with _peer(script) as (peer, client):
+        first = client.GenerateStream(_request("first"))
+        await asyncio.sleep(0.05)
+        second = client.GenerateStream(_request("second"))
+        assert len(await _all(second)) == 2
+        assert len(await _all(first)) == 1
+        assert len(await _all(client.GenerateStream(_request("third")))) == 2
+        assert peer.connections == 2
+
+
+async def test_pings_are_answered_and_settings_acknowledged() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        peer.send(http2.PING, 0, 0, b"12345678")
+        peer.send(http2.SETTINGS, 0, 0, struct.pack(">HL", http2.SETTINGS_MAX_FRAME_SIZE, 20000))
+        peer.reply(sid, _TOKEN)
+
+    async with _peer(script) as (peer, client):
+        await _all(client.GenerateStream(_request()))
+        await asyncio.sleep(0.05)
+    pings = [(flags, payload) for kind, flags, _, payload in peer.received if kind == http2.PING]
+    assert pings == [(http2.ACK, b"12345678")]
+    acks = [flags for kind, flags, _, _ in peer.received if kind == http2.SETTINGS]
+    assert http2.ACK in acks
+
+
+async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http2, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(http2, "KEEPALIVE_TIMEOUT_S", 0.05)
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        peer.send(http2.HEADERS, http2.END_HEADERS, sid, peer.headers(_OK))
+
+    async with _peer(script) as (peer, client):
+        peer_ignores_pings = client.GenerateStream(_request())
+        code = await asyncio.wait_for(_code_of(peer_ignores_pings), 5)
+        assert code == grpc.StatusCode.UNAVAILABLE
+    assert any(kind == http2.PING for kind, _, _, _ in peer.received)
