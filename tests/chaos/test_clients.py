@@ -91,7 +91,8 @@ def test_a_reader_that_stops_is_cut_and_does_not_slow_the_others() -> None:
         gateway(handle, stream_stall_timeout=0.5) as gw,
     ):
         before = aborts(handle)
-        stuck = raw_stream_request(gw.port, chat("flood", max_tokens=60000), rcvbuf=4096)
+        flood = chat("flood", max_tokens=60000, logprobs=True, top_logprobs=20)
+        stuck = raw_stream_request(gw.port, flood, rcvbuf=4096)
         read_events(stuck, 1)
         began = time.monotonic()
         served = 0
