@@ -303,6 +303,32 @@ def dynamo_python() -> Path:
     return python
 
 
+# ai-dynamo's own requirements less ``aisimulate`` (only on NVIDIA's index; the frontend and
+# the vLLM sidecar never import it), which is why ai-dynamo itself goes in with --no-deps.
+DYNAMO_RUNTIME = "ai-dynamo-runtime==1.6.1"
+DYNAMO = "ai-dynamo==1.6.1"
+DYNAMO_DEPS = (
+    "aiohttp", "certifi", "kubernetes", "msgspec", "prometheus-client", "pyzmq", "redis",
+    "tqdm", "transformers", "typing-extensions", "zstandard",
+)  # fmt: skip
+
+
+def install_dynamo(venv: Path = DYNAMO_VENV) -> Path:
+    """Create Dynamo's venv (never inside ``.venv``) unless it already imports both modules."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import dynamo.frontend, dynamo.vllm.sidecar"]
+    if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return python
+    print(f"installing Dynamo 1.6.1 into {venv} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, DYNAMO_RUNTIME, *DYNAMO_DEPS], check=True)
+    subprocess.run([*pip, "--no-deps", DYNAMO], check=True)
+    subprocess.run(probe, check=True)
+    return python
+
+
 def start_dynamo(stack: ExitStack, engine: Engine, work: Path, router: str = "kv") -> Gateway:
     """Dynamo's vLLM sidecar (a worker for the engine's gRPC port) and its HTTP frontend,
     discovering each other through a file store, with Dynamo's own KV router."""

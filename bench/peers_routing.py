@@ -1,26 +1,33 @@
 """Routing quality against peers: prefix hit rate, mean/p99 TTFT and throughput over HTTP.
 
 The routing workloads of ``tests/routing/workload.py`` (shared-prefix multi-turn
-conversations and one-turn requests with nothing in common, same parameters and seeds), sent
-as token-id ``/v1/completions`` streams through each gateway in turn:
+conversations and one-turn requests with nothing in common), sent as token-id
+``/v1/completions`` streams through each gateway in turn:
 
 - Rankgate with each policy: ``kv``, ``load``, ``round_robin``, and ``engine`` (no rank pinned:
   vLLM's own balancer decides);
 - vllm-router 0.1.17 with ``kv_aware`` (fed by the same KV events);
-- with ``--dynamo``, Dynamo 1.6.1's frontend and vLLM sidecar with its KV router.
+- with ``--dynamo``, Dynamo 1.6.1's frontend and vLLM sidecar with its KV router
+  (``--install-dynamo`` first builds its venv under ``~/.cache/rankgate/dynamo``).
 
 Against the mock engine (default: DP=4, GPU-like timing slowed by ``--speed``), each target gets
 a fresh engine in this process and the hit rate is the engine's own count (cached prompt
-tokens / prompt tokens). With ``--real``, one real vLLM server (DP=2, CPU build, tiny model)
-serves every target; each target's prompts start with their own first block so no target
-inherits another's cache, and the workloads shrink to fit its 512-token context. Real vLLM
-does not report its cache counters over gRPC, so the hit rate column reads n/a there.
+tokens / prompt tokens).
+
+With ``--real``, one real vLLM server (DP=2, CPU build, tiny model stretched to
+``--max-model-len``) serves every target, one after the other. Before each target vLLM's prefix
+cache is reset (``/reset_prefix_cache``) and the target's prompts start with a block of its
+own, so no target inherits another's cache. The hit rate is vLLM's own: the difference of its
+``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` counters around the run. Beside it:
+the router's own estimate (Rankgate: cached / prompt tokens it believed at routing time) and
+the ceiling, the hit rate of one never-evicting cache over the same prompts in the same order
+(``bench/prefix_ceiling.py``), which no routing can beat.
 
 TTFT is measured at the client, from sending the request to the first streamed chunk
 (``tests.routing.workload.GatewayClient``, the routing tests' own HTTP client).
 
     scripts/in-netns .venv/bin/python bench/peers_routing.py [--speed 0.1] [--markdown]
-    scripts/in-netns .venv/bin/python bench/peers_routing.py --real
+    scripts/in-netns .venv/bin/python bench/peers_routing.py --real [--dynamo] [--markdown]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import random
 import sys
 import tempfile
 import time
@@ -38,12 +46,14 @@ from pathlib import Path
 
 import httpx
 import peers
+from prefix_ceiling import CacheCounters, ceiling, read_counters
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(peers.ROOT))
 
 from mocker.testing import running_mock_engine
 from tests.routing.workload import (
-    Client,
+    VOCAB,
     GatewayClient,
     NoReuse,
     PolicyResult,
@@ -55,37 +65,117 @@ from tests.routing.workload import (
 )
 
 RANKGATE_POLICIES = ("kv", "load", "round_robin", "engine")
-FIRST_ID = 100
+# Rankgate's routing counters: prompt tokens routed, and those the chosen rank was believed
+# to hold (the router's own estimate of the hit rate).
+ROUTED_PROMPT = "rankgate_routing_prompt_tokens"
+ROUTED_CACHED = "rankgate_routing_cached_tokens"
 
 
 class Tagged:
     """A client whose prompts all start with a block of its own (real vLLM: one server serves
-    every target, and no target may inherit another's cache)."""
+    every target, and no target may inherit another's cache); it keeps every prompt it sends,
+    in sending order, for the ceiling."""
 
     def __init__(self, inner: GatewayClient, tag: Sequence[int]) -> None:
         self.inner = inner
         self.tag = list(tag)
+        self.sent: list[list[int]] = []
 
     async def complete(
         self, request_id: str, prompt: Sequence[int], out: int
     ) -> tuple[float, list[int]]:
-        return await self.inner.complete(request_id, [*self.tag, *prompt], out)
+        tagged = [*self.tag, *prompt]
+        self.sent.append(tagged)
+        return await self.inner.complete(request_id, tagged, out)
+
+
+@dataclasses.dataclass
+class Run:
+    """One target's passes over one workload, and what they proved: the engine's own cache
+    counts, the router's estimate of them (None: the router does not tell), the ceiling."""
+
+    name: str
+    work: Workload
+    result: PolicyResult
+    measured: CacheCounters | None = None
+    estimated: CacheCounters | None = None
+    best: CacheCounters | None = None
+
+    def absorb(self, other: Run) -> None:
+        """Pool another pass of the same target: counts add up, TTFT samples join."""
+        self.result.requests += other.result.requests
+        self.result.seconds += other.result.seconds
+        self.result.ttfts.extend(other.result.ttfts)
+        self.measured = _add(self.measured, other.measured)
+        self.estimated = _add(self.estimated, other.estimated)
+        self.best = _add(self.best, other.best)
+
+    def row(self) -> list[str]:
+        result = self.result
+        throughput = result.requests / result.seconds if result.seconds else 0.0
+        return [
+            self.work.name,
+            self.name,
+            str(result.requests),
+            _percent(self.measured),
+            _percent(self.estimated),
+            _percent(self.best),
+            f"{result.mean_ttft * 1e3:.1f}",
+            f"{result.p99_ttft * 1e3:.1f}",
+            f"{throughput:.2f}",
+            f"{result.seconds:.1f}",
+        ]
+
+
+def _add(a: CacheCounters | None, b: CacheCounters | None) -> CacheCounters | None:
+    return None if a is None or b is None else a + b
+
+
+def _percent(counters: CacheCounters | None) -> str:
+    rate = None if counters is None else counters.hit_rate
+    return "n/a" if rate is None else f"{rate:.1%}"
+
+
+HEAD = [
+    "workload", "target", "requests", "hit rate", "router estimate", "ceiling",
+    "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
+]  # fmt: skip
 
 
 async def run_workload(
     gateway: peers.Gateway, model: str, work: Workload, result: PolicyResult, tag: Sequence[int]
-) -> None:
+) -> list[list[int]]:
+    """Drive ``work`` through ``gateway``; returns the prompts in the order they were sent."""
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(
         base_url=gateway.url, headers=gateway.headers, timeout=120.0, limits=limits
     ) as http:
-        client: Client = Tagged(GatewayClient(http, model), tag)
+        client = Tagged(GatewayClient(http, model), tag)
         started = time.perf_counter()
         if isinstance(work, SharedPrefix):
             await _shared(client, work, result)
         else:
             await _unique(client, work, result)
         result.seconds = time.perf_counter() - started
+    return client.sent
+
+
+async def routed_tokens(gateway: peers.Gateway) -> CacheCounters | None:
+    """Rankgate's routed prompt tokens and believed-cached tokens; None for other gateways."""
+    if not gateway.name.startswith("rankgate"):
+        return None
+    async with httpx.AsyncClient(headers=gateway.headers, timeout=10.0) as http:
+        response = await http.get(f"{gateway.url}/metrics")
+    response.raise_for_status()
+    totals = {ROUTED_PROMPT: 0.0, ROUTED_CACHED: 0.0}
+    for family in text_string_to_metric_families(response.text):
+        if family.name in totals:
+            totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return CacheCounters(queries=totals[ROUTED_PROMPT], hits=totals[ROUTED_CACHED])
+
+
+def _difference(before: CacheCounters | None, after: CacheCounters | None) -> CacheCounters | None:
+    return None if before is None or after is None else after - before
 
 
 Starter = Callable[[ExitStack, peers.Engine], peers.Gateway]
@@ -105,35 +195,26 @@ def starters(args: argparse.Namespace, work_dir: Path) -> dict[str, Starter]:
     return found
 
 
-def row(name: str, work: Workload, result: PolicyResult, hit: str) -> list[str]:
-    throughput = result.requests / result.seconds if result.seconds else 0.0
-    return [
-        work.name,
-        name,
-        str(result.requests),
-        hit,
-        f"{result.mean_ttft * 1e3:.1f}",
-        f"{result.p99_ttft * 1e3:.1f}",
-        f"{throughput:.2f}",
-        f"{result.seconds:.1f}",
-    ]
+def not_run(work: Workload, name: str, why: str) -> list[str]:
+    return [work.name, name, f"not run: {why}", *[""] * (len(HEAD) - 3)]
 
 
-HEAD = [
-    "workload", "target", "requests", "hit rate", "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
-]  # fmt: skip
+def tag_block(label: str, block_size: int) -> list[int]:
+    """A block of tokens that only ``label``'s prompts start with."""
+    rng = random.Random(label)
+    return [rng.randrange(*VOCAB) for _ in range(block_size)]
 
 
 async def one_mock(
     name: str, start: Starter, work: Workload, args: argparse.Namespace, model_dir: Path
-) -> list[str]:
+) -> Run:
     config = dataclasses.replace(
         engine_config(args.speed, work.kv_blocks_per_rank),
         tokenizer=str(model_dir),
         model_id=str(model_dir),
         max_model_len=8192,
     )
-    result = PolicyResult(policy=name, workload=work.name)
+    run = Run(name, work, PolicyResult(policy=name, workload=work.name))
     with running_mock_engine(config) as handle:
         engine = peers.Engine(
             handle.target, config.dp_size, config.block_size, config.model, model_dir,
@@ -143,22 +224,50 @@ async def one_mock(
             gateway = start(stack, engine)
             # Start-up probes (vllm-router, Dynamo) must not count.
             before = await asyncio.to_thread(handle.all_stats)
-            await run_workload(gateway, engine.model, work, result, ())
+            routed = await routed_tokens(gateway)
+            sent = await run_workload(gateway, engine.model, work, run.result, ())
+            run.estimated = _difference(routed, await routed_tokens(gateway))
         after = await asyncio.to_thread(handle.all_stats)
     prompt = sum(after[r].prompt_tokens - before[r].prompt_tokens for r in after)
     cached = sum(after[r].cached_tokens - before[r].cached_tokens for r in after)
-    result.requests = sum(after[r].requests_received - before[r].requests_received for r in after)
-    return row(name, work, result, f"{cached / prompt:.1%}" if prompt else "n/a")
+    run.result.requests = sum(
+        after[r].requests_received - before[r].requests_received for r in after
+    )
+    run.measured = CacheCounters(queries=prompt, hits=cached)
+    run.best = ceiling(sent, config.block_size)
+    return run
+
+
+async def reset_prefix_cache(http: httpx.AsyncClient, base_url: str) -> None:
+    response = await http.post(f"{base_url}/reset_prefix_cache")
+    if response.status_code != 200:
+        raise RuntimeError(
+            f"vLLM refused /reset_prefix_cache: {response.status_code} {response.text[:200]}"
+        )
 
 
 async def one_real(
-    name: str, start: Starter, work: Workload, engine: peers.Engine, tag: Sequence[int]
-) -> list[str]:
-    with ExitStack() as stack:
-        result = PolicyResult(policy=name, workload=work.name)
-        await run_workload(start(stack, engine), engine.model, work, result, tag)
-    result.requests = len(result.ttfts)
-    return row(name, work, result, "n/a")
+    name: str,
+    start: Starter,
+    work: Workload,
+    engine: peers.Engine,
+    tag: Sequence[int],
+    vllm_http: str,
+) -> Run:
+    run = Run(name, work, PolicyResult(policy=name, workload=work.name))
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        with ExitStack() as stack:
+            gateway = start(stack, engine)
+            # After the gateway's start-up probes: they neither count nor leave blocks behind.
+            await reset_prefix_cache(http, vllm_http)
+            before = await read_counters(http, vllm_http)
+            routed = await routed_tokens(gateway)
+            sent = await run_workload(gateway, engine.model, work, run.result, tag)
+            run.estimated = _difference(routed, await routed_tokens(gateway))
+            run.measured = await read_counters(http, vllm_http) - before
+    run.result.requests = len(run.result.ttfts)
+    run.best = ceiling(sent, engine.block_size)
+    return run
 
 
 def render(rows: list[list[str]], title: str, markdown: bool) -> str:
@@ -179,25 +288,53 @@ async def main_mock(args: argparse.Namespace, work_dir: Path) -> str:
     workloads: dict[str, Workload] = {"shared": SharedPrefix(), "unique": NoReuse()}
     rows: list[list[str]] = []
     for wname in args.workload:
+        work = workloads[wname]
         for name, start in starters(args, work_dir).items():
             try:
-                rows.append(await one_mock(name, start, workloads[wname], args, model_dir))
+                rows.append((await one_mock(name, start, work, args, model_dir)).row())
             except peers.Unavailable as exc:
-                rows.append([wname, name, f"not run: {exc}", "", "", "", "", ""])
+                rows.append(not_run(work, name, str(exc)))
             print("  ".join(rows[-1]), flush=True)
     title = f"Routing quality, mock engine DP=4 (speed {args.speed}), block 16; {peers.machine()}"
     return render(rows, title, args.markdown)
 
 
+def real_workloads(args: argparse.Namespace) -> tuple[SharedPrefix, NoReuse]:
+    """Sized so that routing decides the hit rate: many concurrent conversations over a few
+    shared system prompts, every prompt within ``--max-model-len``."""
+    shared = SharedPrefix(
+        conversations=args.conversations,
+        turns=args.turns,
+        groups=args.groups,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        output_tokens=8,
+        think_seconds=args.think_seconds,
+        stagger_seconds=args.stagger_seconds,
+    )
+    longest = 32 + shared.system_tokens + shared.turns * shared.user_tokens + shared.output_tokens
+    if longest > args.max_model_len:
+        raise SystemExit(
+            f"the last turn needs {longest} tokens, over --max-model-len {args.max_model_len}"
+        )
+    unique = NoReuse(
+        requests=48,
+        min_tokens=64,
+        max_tokens=min(1024, args.max_model_len - 64),
+        interval_seconds=0.25,
+    )
+    return shared, unique
+
+
 async def main_real(args: argparse.Namespace, work_dir: Path) -> str:
     from tests.support.real_vllm import start_real_vllm
 
-    workloads: dict[str, Workload] = {
-        "shared": SharedPrefix(conversations=6, turns=4, system_tokens=96, user_tokens=48),
-        "unique": NoReuse(requests=24, min_tokens=64, max_tokens=400, interval_seconds=0.5),
-    }
+    shared, unique = real_workloads(args)
+    workloads: dict[str, Workload] = {"shared": shared, "unique": unique}
     rows: list[list[str]] = []
-    with start_real_vllm(dp_size=2, block_size=32) as server:
+    with start_real_vllm(
+        dp_size=2, block_size=32, max_model_len=args.max_model_len, dev_endpoints=True
+    ) as server:
         engine = peers.Engine(
             server.target, server.dp_size, server.block_size, server.served_model_name,
             peers.model_dir(work_dir, server.model_dir), server.kv_events_base_port,
@@ -206,18 +343,51 @@ async def main_real(args: argparse.Namespace, work_dir: Path) -> str:
         # A fresh server's first streams are slow (CPU kernels warming up): one unrecorded
         # pass over every rank first, with a tag of its own, so the first target isn't billed.
         warm = functools.partial(_rankgate, policy="round_robin")
-        warm_tag = [FIRST_ID + 99 + j % 3 for j in range(server.block_size)]
-        await one_real("warm-up", warm, workloads["shared"], engine, warm_tag)
+        warm_work = dataclasses.replace(shared, conversations=8, turns=2)
+        warm_tag = tag_block("warm-up", server.block_size)
+        await one_real("warm-up", warm, warm_work, engine, warm_tag, server.http_url)
         for wname in args.workload:
-            for index, (name, start) in enumerate(targets.items()):
-                # A first block of its own per target: no target inherits another's cache.
-                tag = [FIRST_ID + 7 * index + j % 5 for j in range(server.block_size)]
-                try:
-                    rows.append(await one_real(name, start, workloads[wname], engine, tag))
-                except peers.Unavailable as exc:
-                    rows.append([wname, name, f"not run: {exc}", "", "", "", "", ""])
-                print("  ".join(rows[-1]), flush=True)
-    title = f"Routing quality, real vLLM 0.32 CPU (DP=2, tiny model), block 32; {peers.machine()}"
+            work = workloads[wname]
+            pooled: dict[str, Run] = {}
+            failed: dict[str, str] = {}
+            names = list(targets)
+            for round_ in range(args.rounds):
+                # Every other round runs backwards, so no target always runs first or last
+                # while the machine's other load comes and goes.
+                for name in names[::-1] if round_ % 2 else names:
+                    if name in failed:
+                        continue
+                    # A first block of its own per pass: nothing inherits another's cache.
+                    tag = tag_block(f"{wname}/{name}/{round_}", server.block_size)
+                    started = one_real(name, targets[name], work, engine, tag, server.http_url)
+                    try:
+                        run = await asyncio.wait_for(started, args.target_timeout)
+                    except peers.Unavailable as exc:
+                        failed[name] = f"not run: {exc}"
+                    except TimeoutError:
+                        failed[name] = f"failed: over {args.target_timeout:.0f} s"
+                    except (httpx.HTTPError, RuntimeError) as exc:
+                        failed[name] = f"failed: {exc!r}"
+                    else:
+                        print(f"round {round_ + 1}: " + "  ".join(run.row()), flush=True)
+                        if name in pooled:
+                            pooled[name].absorb(run)
+                        else:
+                            pooled[name] = run
+                    if name in failed:
+                        print(f"round {round_ + 1}: {name}: {failed[name]}", flush=True)
+            for name in names:
+                if name in failed:
+                    rows.append([wname, name, failed[name], *[""] * (len(HEAD) - 3)])
+                else:
+                    rows.append(pooled[name].row())
+    title = (
+        f"Routing quality, real vLLM 0.32 CPU (DP=2, tiny model, {args.max_model_len}-token "
+        f"context), block 32; shared: {shared.conversations} conversations x {shared.turns} "
+        f"turns over {shared.groups} system prompts of {shared.system_tokens} tokens, "
+        f"{shared.user_tokens} new tokens a turn, {shared.think_seconds:g} s think time; "
+        f"{args.rounds} interleaved passes per target, pooled; {peers.machine()}"
+    )
     return render(rows, title, args.markdown)
 
 
@@ -227,9 +397,32 @@ def main() -> None:
     parser.add_argument("--workload", nargs="+", default=["shared", "unique"])
     parser.add_argument("--policy", nargs="+", default=list(RANKGATE_POLICIES))
     parser.add_argument("--dynamo", action="store_true", help="add Dynamo's KV router")
-    parser.add_argument("--real", action="store_true", help="against real vLLM (DP=2)")
+    parser.add_argument(
+        "--install-dynamo",
+        action="store_true",
+        help=f"first create Dynamo's venv in {peers.DYNAMO_VENV} if missing (implies --dynamo)",
+    )
     parser.add_argument("--markdown", action="store_true")
+    real = parser.add_argument_group("real vLLM")
+    real.add_argument("--real", action="store_true", help="against real vLLM (DP=2)")
+    real.add_argument("--max-model-len", type=int, default=2048)
+    real.add_argument("--conversations", type=int, default=48)
+    real.add_argument("--turns", type=int, default=5)
+    real.add_argument("--groups", type=int, default=4, help="distinct system prompts")
+    real.add_argument("--system-tokens", type=int, default=384)
+    real.add_argument("--user-tokens", type=int, default=160)
+    real.add_argument("--think-seconds", type=float, default=1.0)
+    real.add_argument("--stagger-seconds", type=float, default=0.1)
+    real.add_argument(
+        "--rounds", type=int, default=2, help="passes per target, interleaved and pooled"
+    )
+    real.add_argument(
+        "--target-timeout", type=float, default=120.0, help="seconds one pass may take"
+    )
     args = parser.parse_args()
+    if args.install_dynamo:
+        peers.install_dynamo()
+        args.dynamo = True
     with tempfile.TemporaryDirectory(prefix="rankgate-peers-") as tmp:
         run = main_real if args.real else main_mock
         table = asyncio.run(run(args, Path(tmp)))

@@ -54,6 +54,10 @@ class RealVllm:
     kv_events_base_port: int
     kv_replay_base_port: int
     log_path: Path
+    # vLLM's own HTTP server: Prometheus ``/metrics`` (the engine's prefix-cache counters)
+    # and, when served with ``dev_endpoints``, ``/reset_prefix_cache``.
+    http_url: str = ""
+    max_model_len: int = 512
 
 
 def real_vllm_required() -> bool:
@@ -186,8 +190,18 @@ def _close(stream: IO[bytes] | None) -> None:
 
 
 @contextlib.contextmanager
-def start_real_vllm(dp_size: int = 2, block_size: int = 32) -> Iterator[RealVllm]:
-    """Serve real vLLM with KV events on for the ``with`` block; skip or fail if impossible."""
+def start_real_vllm(
+    dp_size: int = 2,
+    block_size: int = 32,
+    *,
+    max_model_len: int = 512,
+    dev_endpoints: bool = False,
+) -> Iterator[RealVllm]:
+    """Serve real vLLM with KV events on for the ``with`` block; skip or fail if impossible.
+
+    ``max_model_len`` past the tiny model's 512 serves a copy with more positions;
+    ``dev_endpoints`` opens vLLM's development routes such as ``/reset_prefix_cache``.
+    """
     if not sys.platform.startswith("linux"):
         _unavailable(f"real vLLM CPU runs on Linux only, not {sys.platform}")
     with tempfile.TemporaryDirectory(prefix="rankgate-real-vllm-") as tmp:
@@ -203,8 +217,11 @@ def start_real_vllm(dp_size: int = 2, block_size: int = 32) -> Iterator[RealVllm
             "--http-port", str(http_port),
             "--kv-events-port", str(kv_port),
             "--kv-replay-port", str(replay_port),
+            "--max-model-len", str(max_model_len),
             "--exit-with-parent",
         ]  # fmt: skip
+        if dev_endpoints:
+            argv.append("--dev-endpoints")
         with stderr_path.open("wb") as stderr_file:
             proc = subprocess.Popen(
                 argv,
@@ -226,6 +243,8 @@ def start_real_vllm(dp_size: int = 2, block_size: int = 32) -> Iterator[RealVllm
                 kv_events_base_port=int(endpoints["kv_events_base_port"]),
                 kv_replay_base_port=int(endpoints["kv_replay_base_port"]),
                 log_path=Path(endpoints["log_path"]),
+                http_url=str(endpoints["http"]),
+                max_model_len=int(endpoints.get("max_model_len", max_model_len)),
             )
         finally:
             _stop(proc, engine_pid)

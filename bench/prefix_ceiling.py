@@ -1,0 +1,90 @@
+"""Ground truth for routing benches: vLLM's own prefix-cache counters, and the best hit rate
+any router could reach on a workload.
+
+The counters come from vLLM's Prometheus ``/metrics`` (``vllm:prefix_cache_queries`` and
+``vllm:prefix_cache_hits``, summed over every engine); a run's hit rate is the difference of
+two scrapes, so nothing else the server did before counts.
+
+The ceiling replays the prompts in the order they were sent through one cache that forgets
+nothing: a prompt hits every full block whose whole prefix an earlier prompt carried, except
+that vLLM always computes the last prompt token (so a fully cached prompt still misses its last
+block). No placement of prompts on ranks can do better; a router's distance from it is what
+routing lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+QUERIES = "vllm:prefix_cache_queries"
+HITS = "vllm:prefix_cache_hits"
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """Prompt tokens vLLM looked up in its prefix cache, and how many it found."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+
+    def __sub__(self, before: CacheCounters) -> CacheCounters:
+        return CacheCounters(self.queries - before.queries, self.hits - before.hits)
+
+    def __add__(self, other: CacheCounters) -> CacheCounters:
+        return CacheCounters(self.queries + other.queries, self.hits + other.hits)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries > 0 else None
+
+
+def parse_counters(exposition: str) -> CacheCounters:
+    """Sum each counter over all its label sets (one per engine / DP rank).
+
+    Read line by line: metric names with a colon are legal in the text format but not every
+    parser takes them, and only two sample names matter here.
+    """
+    totals: dict[str, float] = {}
+    for line in exposition.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        family = name.removesuffix("_total")
+        if family in (QUERIES, HITS):
+            totals[family] = totals.get(family, 0.0) + float(line.rsplit(" ", 1)[1])
+    missing = {QUERIES, HITS} - set(totals)
+    if missing:
+        raise ValueError(f"vLLM's /metrics has no {', '.join(sorted(missing))}")
+    return CacheCounters(totals[QUERIES], totals[HITS])
+
+
+async def read_counters(http: httpx.AsyncClient, base_url: str) -> CacheCounters:
+    response = await http.get(f"{base_url}/metrics")
+    response.raise_for_status()
+    return parse_counters(response.text)
+
+
+def ceiling(prompts: Iterable[Sequence[int]], block_size: int) -> CacheCounters:
+    """Hits a single never-evicting cache would score on ``prompts`` in this order."""
+    if block_size < 1:
+        raise ValueError("block_size must be positive")
+    cached: set[int] = set()
+    queries = hits = 0
+    for prompt in prompts:
+        queries += len(prompt)
+        limit = (len(prompt) - 1) // block_size
+        parent = 0
+        matching = True
+        for index in range(len(prompt) // block_size):
+            start = index * block_size
+            key = hash((parent, tuple(prompt[start : start + block_size])))
+            if matching and index < limit and key in cached:
+                hits += block_size
+            else:
+                matching = False
+            cached.add(key)
+            parent = key
+    return CacheCounters(float(queries), float(hits))
