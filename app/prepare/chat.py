@@ -322,6 +322,7 @@ class ChatPreparer:
             media=media,
             kv_transfer_params=req.kv_transfer_params,
             rank=rank,
+            stream=req.stream,
         )
         return PreparedChat(request=prepared, plan=plan, prompt_len=len(ids), top_logprobs=top)
 

@@ -153,6 +153,7 @@ class CompletionPreparer:
                     lora_name=lora_name,
                     kv_transfer_params=req.kv_transfer_params,
                     rank=rank,
+                    stream=req.stream,
                 )
             )
         echo: tuple[str, ...] | None = None

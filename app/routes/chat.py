@@ -11,7 +11,7 @@ from app.observe import RequestRecord, Tracked, observer_of
 from app.respond.complete import chat_completion
 from app.respond.context import ResponseContext
 from app.respond.logprobs import LogprobFormatter
-from app.respond.merge import close_stream, prime
+from app.respond.merge import prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import chat_events, guarded
 from app.routes.common import (
@@ -19,7 +19,7 @@ from app.routes.common import (
     decode_body,
     gateway_of,
     pinned_rank,
-    unless_disconnected,
+    whole_body,
 )
 from app.routes.observed import engine_request_id, observed
 from app.routes.route_header import route_headers
@@ -73,26 +73,28 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         plan=prepared.plan,
     )
     permit = await admit(request, info, req.n, req.priority)
+    if not req.stream:
+        try:
+            source = Tracked(gateway.engine.generate(prepared.request), record)
+            whole = await whole_body(request, source, lambda deltas: chat_completion(ctx, deltas))
+        finally:
+            permit.release()
+        if whole is None:
+            return Response(status_code=499)
+        body, first = whole
+        gateway.chat.observe(prepared, first)
+        return Response(body, media_type="application/json", headers=route_headers(first))
     try:
         deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
     except BaseException:
         permit.release()
         raise
     gateway.chat.observe(prepared, deltas.first)
-    headers = route_headers(deltas.first)
-    if req.stream:
-        observer = observer_of(request)
+    observer = observer_of(request)
 
-        def done(status: int) -> None:
-            permit.release()
-            observer.finish(record, status)
-
-        return EventStreamResponse(guarded(chat_events(ctx, deltas), deltas, done), headers)
-    try:
-        body = await unless_disconnected(request, chat_completion(ctx, deltas))
-    finally:
+    def done(status: int) -> None:
         permit.release()
-        await close_stream(deltas)
-    if body is None:
-        return Response(status_code=499)
-    return Response(body, media_type="application/json", headers=headers)
+        observer.finish(record, status)
+
+    events = guarded(chat_events(ctx, deltas), deltas, done)
+    return EventStreamResponse(events, route_headers(deltas.first))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -15,8 +15,9 @@ from app.errors import from_decode_error, invalid
 from app.gateway import Gateway
 from app.limits import InputLimits, check_depth, read_body
 from app.metrics import GatewayMetrics
+from app.respond.merge import Primed, close_stream, prime
 from sidecar.errors import EngineUnavailable
-from sidecar.types import EngineInfo
+from sidecar.types import Delta, EngineInfo
 
 T = TypeVar("T")
 RANK_HEADER = "x-data-parallel-rank"
@@ -69,6 +70,29 @@ def pinned_rank(request: Request) -> int | None:
     if not text.isdigit():
         raise invalid(f"header '{RANK_HEADER}' must be a non-negative integer", RANK_HEADER)
     return int(text)
+
+
+async def whole_body(
+    request: Request,
+    source: AsyncIterator[Delta],
+    build: Callable[[Primed], Awaitable[bytes]],
+) -> tuple[bytes, Delta | None] | None:
+    """A non-streaming answer: ``build`` over all of ``source``, and the first delta.
+
+    The client is watched from before the engine is asked: a non-streaming request runs as
+    unary engine calls with no first token to wait for, and a client that leaves must drop
+    them at once. None when the client left; ``source`` is closed either way.
+    """
+
+    async def gather() -> tuple[bytes, Delta | None]:
+        deltas = await prime(source)
+        first = deltas.first
+        return await build(deltas), first
+
+    try:
+        return await unless_disconnected(request, gather())
+    finally:
+        await close_stream(source)
 
 
 async def _disconnected(request: Request, task: asyncio.Task[Any]) -> None:

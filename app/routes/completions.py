@@ -12,7 +12,7 @@ from app.observe import RequestRecord, Tracked, observer_of
 from app.respond.complete import completion
 from app.respond.context import ResponseContext
 from app.respond.logprobs import LogprobFormatter
-from app.respond.merge import close_stream, merged, prime
+from app.respond.merge import merged, prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import completion_events, guarded
 from app.routes.common import (
@@ -20,7 +20,7 @@ from app.routes.common import (
     decode_body,
     gateway_of,
     pinned_rank,
-    unless_disconnected,
+    whole_body,
 )
 from app.routes.observed import engine_request_id, observed
 from app.routes.route_header import route_headers
@@ -81,25 +81,27 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         source = engine.generate(prepared.requests[0])
     else:
         source = merged([engine.generate(p) for p in prepared.requests], req.n)
+    if not req.stream:
+        try:
+            whole = await whole_body(
+                request, Tracked(source, record), lambda deltas: completion(ctx, deltas)
+            )
+        finally:
+            permit.release()
+        if whole is None:
+            return Response(status_code=499)
+        body, first = whole
+        return Response(body, media_type="application/json", headers=route_headers(first))
     try:
         deltas = await prime(Tracked(source, record))
     except BaseException:
         permit.release()
         raise
-    headers = route_headers(deltas.first)
-    if req.stream:
-        observer = observer_of(request)
+    observer = observer_of(request)
 
-        def done(status: int) -> None:
-            permit.release()
-            observer.finish(record, status)
-
-        return EventStreamResponse(guarded(completion_events(ctx, deltas), deltas, done), headers)
-    try:
-        body = await unless_disconnected(request, completion(ctx, deltas))
-    finally:
+    def done(status: int) -> None:
         permit.release()
-        await close_stream(deltas)
-    if body is None:
-        return Response(status_code=499)
-    return Response(body, media_type="application/json", headers=headers)
+        observer.finish(record, status)
+
+    events = guarded(completion_events(ctx, deltas), deltas, done)
+    return EventStreamResponse(events, route_headers(deltas.first))
