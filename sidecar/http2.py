@@ -90,6 +90,53 @@ _RESET_CODES: dict[int, grpc.StatusCode] = {
 EOF = grpc.aio.EOF
 
 
+class HeaderDecoder:
+    """``hpack``'s decoder, with a memo for blocks made only of indexed fields.
+
+    Such a block leaves the dynamic table as it was, so while the table is unchanged the same
+    bytes mean the same headers; a server answers every call with the same few of them
+    (``:status``, ``content-type``, ``grpc-status: 0``), which then cost a dict lookup instead
+    of a pure-Python decode. Any other block may change the table and clears the memo.
+    """
+
+    __slots__ = ("_decoder", "_memo")
+
+    MEMO_SIZE = 64
+
+    def __init__(self) -> None:
+        self._decoder = hpack.Decoder()
+        self._memo: dict[bytes, list[tuple[str, str]]] = {}
+
+    def decode(self, block: bytes) -> list[tuple[str, str]]:
+        """The block's headers; the list is shared, callers must not change it."""
+        known = self._memo.get(block)
+        if known is not None:
+            return known
+        headers = [(str(name), str(value)) for name, value in self._decoder.decode(block)]
+        if _only_indexed(block):
+            if len(self._memo) >= self.MEMO_SIZE:
+                self._memo.clear()
+            self._memo[block] = headers
+        else:
+            self._memo.clear()
+        return headers
+
+
+def _only_indexed(block: bytes) -> bool:
+    """Whether every field of the block is an indexed one (RFC 7541 section 6.1)."""
+    at, size = 0, len(block)
+    while at < size:
+        first = block[at]
+        if not first & 0x80:
+            return False
+        at += 1
+        if first & 0x7F == 0x7F:
+            while at < size and block[at] & 0x80:
+                at += 1
+            at += 1
+    return True
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     size = len(payload)
     return _FRAME.pack(size >> 8, size & 0xFF, kind, flags, stream_id) + payload
@@ -415,7 +462,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._calls: dict[int, Call] = {}
         self._next_id = 1
-        self._decoder = hpack.Decoder()
+        self._decoder = HeaderDecoder()
         self._buffer = b""
         self._peer_max_frame = DEFAULT_MAX_FRAME
         self._peer_window = DEFAULT_WINDOW
@@ -541,7 +588,7 @@ class Connection(asyncio.Protocol):
             return
         call = self._calls.get(self._header_stream)
         if call is not None:
-            call.on_headers([(str(k), str(v)) for k, v in headers], self._header_end)
+            call.on_headers(headers, self._header_end)
 
     def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if kind == SETTINGS:

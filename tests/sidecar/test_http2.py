@@ -493,3 +493,19 @@ async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyP
         code = await asyncio.wait_for(_code_of(peer_ignores_pings), 5)
         assert code == grpc.StatusCode.UNAVAILABLE
     assert any(kind == http2.PING for kind, _, _, _ in peer.received)
+
+
+def test_the_header_memo_follows_the_dynamic_table() -> None:
+    """An indexed-only block is remembered until a block changes the table: then the same
+    bytes name a different entry and must be decoded again."""
+    encoder = hpack.Encoder()
+    decoder = http2.HeaderDecoder()
+    assert decoder.decode(encoder.encode([("a", "1")])) == [("a", "1")]
+    indexed = encoder.encode([("a", "1")])
+    assert indexed == b"\xbe"
+    assert decoder.decode(indexed) == [("a", "1")]
+    assert decoder.decode(indexed) == [("a", "1")]
+    assert decoder.decode(encoder.encode([("b", "2")])) == [("b", "2")]
+    # Entry 62 is now b=2 (a=1 moved to 63): the memo must not answer a=1.
+    assert decoder.decode(b"\xbe") == [("b", "2")]
+    assert decoder.decode(b"\xbf\x88") == [("a", "1"), (":status", "200")]
