@@ -25,6 +25,8 @@ INFERENCE = "vllm.Inference"
 SERVICES = (CONTROL, INFERENCE)
 
 _FATAL = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED})
+# A probe that merely ran out of time says more about this machine's load than the engine's.
+_SLOW = "DEADLINE_EXCEEDED"
 _REQUESTS = {name: health_pb2.HealthCheckRequest(service=name) for name in SERVICES}
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -78,7 +80,9 @@ class HealthWatch:
     verification is due (every ``verify_every`` polls, or right after :meth:`nudge`); it
     re-discovers and returns whether the engine may serve. ``on_down`` runs once per outage.
     Periodic verification catches restarts quicker than one poll interval, which health alone
-    would miss.
+    would miss. An explicit answer (NOT_SERVING, connection refused) counts at once; probes
+    that only time out count after ``slow_misses`` in a row, so one stalled poll on a busy host
+    does not turn every request away.
     """
 
     def __init__(
@@ -88,12 +92,15 @@ class HealthWatch:
         on_serving: Callable[[], Awaitable[bool]],
         on_down: Callable[[str], None],
         verify_every: int = 10,
+        slow_misses: int = 3,
     ) -> None:
         self._health = health
         self._interval = interval
         self._on_serving = on_serving
         self._on_down = on_down
         self._verify_every = verify_every
+        self._slow_misses = slow_misses
+        self._slow_streak = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.usable = True
@@ -138,9 +145,18 @@ class HealthWatch:
             if reason is not None:
                 break
         if reason is not None:
+            if _SLOW in reason and self.usable:
+                self._slow_streak += 1
+                if self._slow_streak < self._slow_misses:
+                    log.warning(
+                        "health probe timed out (%d in a row): %s", self._slow_streak, reason
+                    )
+                    return
+            self._slow_streak = 0
             if self.usable:
                 self.usable = False
                 self._on_down(reason)
             return
+        self._slow_streak = 0
         if not self.usable or verify:
             self.usable = await self._on_serving()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 import pytest
 
 from sidecar.engine import Sidecar
@@ -114,3 +115,27 @@ def _problem(sidecar: Sidecar) -> str:
     except EngineUnavailable as error:
         return error.message
     return ""
+
+
+async def test_timed_out_probes_drop_readiness_only_when_they_persist(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar(health_interval=0.5)
+    before = fake.fake.health_checks
+    fake.fake.health["vllm.Control"] = grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: fake.fake.health_checks >= before + 2)
+    assert sidecar.ready, "two timed-out probes in a row must not turn requests away"
+    await eventually(lambda: not sidecar.ready)
+    assert fake.fake.health_checks >= before + 3
+    fake.fake.health["vllm.Control"] = SERVING
+    await eventually(lambda: sidecar.ready)
+
+
+async def test_an_explicit_not_serving_drops_readiness_at_once(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar(health_interval=0.5)
+    before = fake.fake.health_checks
+    fake.fake.health["vllm.Control"] = NOT_SERVING
+    await eventually(lambda: not sidecar.ready)
+    assert fake.fake.health_checks <= before + 2
