@@ -151,6 +151,10 @@ class ChatTemplate:
             raise ValueError(f"chat template does not compile: {exc}") from exc
         self.content_format: ContentFormat = detect_content_format(source)
         self._special = dict(special_tokens or {})
+        # The template's globals (its own over the environment's) and the special tokens as
+        # one flat dict: a render then builds its context from a plain dict copy instead of
+        # Jinja merging the globals' ChainMap for every request.
+        self._base: dict[str, Any] = {**self._compiled.globals, **self._special}
 
     def render(
         self,
@@ -173,14 +177,15 @@ class ChatTemplate:
         final_text: str | None = None
         if continue_final_message:
             final_text = _tag_final_message(messages, self.source)
-        context: dict[str, Any] = {**self._special, **(extra or {})}
+        context: dict[str, Any] = {**self._base, **extra} if extra else dict(self._base)
+        context["messages"] = messages
+        context["tools"] = list(tools) if tools is not None else None
+        context["documents"] = list(documents) if documents is not None else None
+        context["add_generation_prompt"] = add_generation_prompt
+        template = self._compiled
         try:
-            rendered = self._compiled.render(
-                **context,
-                messages=messages,
-                tools=list(tools) if tools is not None else None,
-                documents=list(documents) if documents is not None else None,
-                add_generation_prompt=add_generation_prompt,
+            rendered = _ENV.concat(
+                template.root_render_func(template.new_context(context, shared=True))
             )
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateRenderError(str(exc)) from exc
