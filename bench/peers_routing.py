@@ -120,6 +120,7 @@ class Run:
             _percent(self.measured),
             _percent(self.estimated),
             _percent(self.best),
+            _share(self.measured),
             f"{result.mean_ttft * 1e3:.1f}",
             f"{result.p99_ttft * 1e3:.1f}",
             f"{throughput:.2f}",
@@ -131,6 +132,11 @@ def _add(a: CacheCounters | None, b: CacheCounters | None) -> CacheCounters | No
     return None if a is None or b is None else a + b
 
 
+def _share(counters: CacheCounters | None) -> str:
+    share = None if counters is None else counters.busiest_share
+    return "n/a" if share is None else f"{share:.0%}"
+
+
 def _percent(counters: CacheCounters | None) -> str:
     rate = None if counters is None else counters.hit_rate
     return "n/a" if rate is None else f"{rate:.1%}"
@@ -138,7 +144,7 @@ def _percent(counters: CacheCounters | None) -> str:
 
 HEAD = [
     "workload", "target", "requests", "hit rate", "router estimate", "ceiling",
-    "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
+    "busiest rank", "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
 ]  # fmt: skip
 
 
@@ -146,7 +152,9 @@ async def run_workload(
     gateway: peers.Gateway, model: str, work: Workload, result: PolicyResult, tag: Sequence[int]
 ) -> list[list[int]]:
     """Drive ``work`` through ``gateway``; returns the prompts in the order they were sent."""
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    # Idle connections are dropped before any gateway's keep-alive timeout (uvicorn: 5 s) can
+    # close one under a request that is just being sent on it.
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256, keepalive_expiry=2.0)
     async with httpx.AsyncClient(
         base_url=gateway.url, headers=gateway.headers, timeout=120.0, limits=limits
     ) as http:
@@ -181,14 +189,22 @@ def _difference(before: CacheCounters | None, after: CacheCounters | None) -> Ca
 Starter = Callable[[ExitStack, peers.Engine], peers.Gateway]
 
 
-def _rankgate(stack: ExitStack, engine: peers.Engine, policy: str) -> peers.Gateway:
-    return peers.start_rankgate(stack, engine, policy)
+def _rankgate(
+    stack: ExitStack, engine: peers.Engine, policy: str, extra: Sequence[str] = ()
+) -> peers.Gateway:
+    return peers.start_rankgate(stack, engine, policy, extra)
+
+
+# Real vLLM on two busy cores can take over a second to answer a health check; the default
+# 1 s probe deadline would then take the engine out of service for a moment (503s).
+REAL_RANKGATE_FLAGS = ("--health-interval", "5")
 
 
 def starters(args: argparse.Namespace, work_dir: Path) -> dict[str, Starter]:
     found: dict[str, Starter] = {}
+    extra = REAL_RANKGATE_FLAGS if args.real else ()
     for policy in args.policy:
-        found[f"rankgate {policy}"] = functools.partial(_rankgate, policy=policy)
+        found[f"rankgate {policy}"] = functools.partial(_rankgate, policy=policy, extra=extra)
     found["vllm-router kv_aware"] = lambda s, e: peers.start_vllm_router(s, e, "kv_aware")
     if args.dynamo:
         found["dynamo kv"] = lambda s, e: peers.start_dynamo(s, e, work_dir, "kv")
@@ -233,7 +249,8 @@ async def one_mock(
     run.result.requests = sum(
         after[r].requests_received - before[r].requests_received for r in after
     )
-    run.measured = CacheCounters(queries=prompt, hits=cached)
+    by_rank = tuple(float(after[r].prompt_tokens - before[r].prompt_tokens) for r in sorted(after))
+    run.measured = CacheCounters(queries=prompt, hits=cached, by_engine=by_rank)
     run.best = ceiling(sent, config.block_size)
     return run
 
@@ -342,10 +359,13 @@ async def main_real(args: argparse.Namespace, work_dir: Path) -> str:
         targets = starters(args, work_dir)
         # A fresh server's first streams are slow (CPU kernels warming up): one unrecorded
         # pass over every rank first, with a tag of its own, so the first target isn't billed.
-        warm = functools.partial(_rankgate, policy="round_robin")
+        warm = functools.partial(_rankgate, policy="round_robin", extra=REAL_RANKGATE_FLAGS)
         warm_work = dataclasses.replace(shared, conversations=8, turns=2)
         warm_tag = tag_block("warm-up", server.block_size)
-        await one_real("warm-up", warm, warm_work, engine, warm_tag, server.http_url)
+        try:
+            await one_real("warm-up", warm, warm_work, engine, warm_tag, server.http_url)
+        except (httpx.HTTPError, RuntimeError) as exc:
+            print(f"warm-up failed ({exc!r}); measuring anyway", flush=True)
         for wname in args.workload:
             work = workloads[wname]
             pooled: dict[str, Run] = {}
@@ -394,7 +414,9 @@ async def main_real(args: argparse.Namespace, work_dir: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--speed", type=float, default=0.1, help="mock timing (1.0 = GPU-like)")
-    parser.add_argument("--workload", nargs="+", default=["shared", "unique"])
+    parser.add_argument(
+        "--workload", nargs="+", help="shared, unique (default: both; with --real: shared)"
+    )
     parser.add_argument("--policy", nargs="+", default=list(RANKGATE_POLICIES))
     parser.add_argument("--dynamo", action="store_true", help="add Dynamo's KV router")
     parser.add_argument(
@@ -406,12 +428,12 @@ def main() -> None:
     real = parser.add_argument_group("real vLLM")
     real.add_argument("--real", action="store_true", help="against real vLLM (DP=2)")
     real.add_argument("--max-model-len", type=int, default=2048)
-    real.add_argument("--conversations", type=int, default=48)
+    real.add_argument("--conversations", type=int, default=32)
     real.add_argument("--turns", type=int, default=5)
     real.add_argument("--groups", type=int, default=4, help="distinct system prompts")
     real.add_argument("--system-tokens", type=int, default=384)
     real.add_argument("--user-tokens", type=int, default=160)
-    real.add_argument("--think-seconds", type=float, default=1.0)
+    real.add_argument("--think-seconds", type=float, default=2.0)
     real.add_argument("--stagger-seconds", type=float, default=0.1)
     real.add_argument(
         "--rounds", type=int, default=2, help="passes per target, interleaved and pooled"
@@ -420,6 +442,8 @@ def main() -> None:
         "--target-timeout", type=float, default=120.0, help="seconds one pass may take"
     )
     args = parser.parse_args()
+    if args.workload is None:
+        args.workload = ["shared"] if args.real else ["shared", "unique"]
     if args.install_dynamo:
         peers.install_dynamo()
         args.dynamo = True

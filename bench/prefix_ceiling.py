@@ -25,20 +25,42 @@ HITS = "vllm:prefix_cache_hits"
 
 @dataclass(frozen=True)
 class CacheCounters:
-    """Prompt tokens vLLM looked up in its prefix cache, and how many it found."""
+    """Prompt tokens vLLM looked up in its prefix cache, and how many it found; with the
+    lookups of each engine (in engine-label order) when the source tells them apart."""
 
     queries: float = 0.0
     hits: float = 0.0
+    by_engine: tuple[float, ...] = ()
 
     def __sub__(self, before: CacheCounters) -> CacheCounters:
-        return CacheCounters(self.queries - before.queries, self.hits - before.hits)
+        return CacheCounters(
+            self.queries - before.queries,
+            self.hits - before.hits,
+            _pairwise(self.by_engine, before.by_engine, -1.0),
+        )
 
     def __add__(self, other: CacheCounters) -> CacheCounters:
-        return CacheCounters(self.queries + other.queries, self.hits + other.hits)
+        return CacheCounters(
+            self.queries + other.queries,
+            self.hits + other.hits,
+            _pairwise(self.by_engine, other.by_engine, 1.0),
+        )
 
     @property
     def hit_rate(self) -> float | None:
         return self.hits / self.queries if self.queries > 0 else None
+
+    @property
+    def busiest_share(self) -> float | None:
+        """The largest engine's share of the prompt tokens (1/DP is perfectly even)."""
+        total = sum(self.by_engine)
+        return max(self.by_engine) / total if self.by_engine and total > 0 else None
+
+
+def _pairwise(a: tuple[float, ...], b: tuple[float, ...], sign: float) -> tuple[float, ...]:
+    if len(a) != len(b):
+        return ()
+    return tuple(x + sign * y for x, y in zip(a, b, strict=True))
 
 
 def parse_counters(exposition: str) -> CacheCounters:
@@ -48,17 +70,33 @@ def parse_counters(exposition: str) -> CacheCounters:
     parser takes them, and only two sample names matter here.
     """
     totals: dict[str, float] = {}
+    engines: dict[str, float] = {}
     for line in exposition.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         family = name.removesuffix("_total")
-        if family in (QUERIES, HITS):
-            totals[family] = totals.get(family, 0.0) + float(line.rsplit(" ", 1)[1])
+        if family not in (QUERIES, HITS):
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        totals[family] = totals.get(family, 0.0) + value
+        if family == QUERIES:
+            engine = _label(line, "engine")
+            engines[engine] = engines.get(engine, 0.0) + value
     missing = {QUERIES, HITS} - set(totals)
     if missing:
         raise ValueError(f"vLLM's /metrics has no {', '.join(sorted(missing))}")
-    return CacheCounters(totals[QUERIES], totals[HITS])
+    by_engine = tuple(engines[e] for e in sorted(engines))
+    return CacheCounters(totals[QUERIES], totals[HITS], by_engine)
+
+
+def _label(line: str, key: str) -> str:
+    marker = f'{key}="'
+    at = line.find(marker)
+    if at < 0:
+        return ""
+    start = at + len(marker)
+    return line[start : line.index('"', start)]
 
 
 async def read_counters(http: httpx.AsyncClient, base_url: str) -> CacheCounters:

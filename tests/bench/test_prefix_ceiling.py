@@ -78,10 +78,15 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 
 def test_counters_sum_every_engine_and_subtract() -> None:
     after = parse_counters(EXPOSITION)
-    assert after == CacheCounters(queries=2000.0, hits=800.0)
-    run = after - CacheCounters(queries=1000.0, hits=300.0)
+    assert after == CacheCounters(queries=2000.0, hits=800.0, by_engine=(1200.0, 800.0))
+    run = after - CacheCounters(queries=1000.0, hits=300.0, by_engine=(700.0, 300.0))
     assert run.hit_rate == pytest.approx(0.5)
+    assert run.busiest_share == pytest.approx(0.5)
+    pooled = run + run
+    assert pooled.hit_rate == pytest.approx(0.5)
+    assert pooled.by_engine == (1000.0, 1000.0)
     assert CacheCounters().hit_rate is None
+    assert CacheCounters().busiest_share is None
 
 
 def test_an_exposition_without_the_counters_is_an_error() -> None:
