@@ -91,12 +91,13 @@ EOF = grpc.aio.EOF
 
 
 class HeaderDecoder:
-    """``hpack``'s decoder, with a memo for blocks made only of indexed fields.
+    """``hpack``'s decoder, with a memo for blocks that leave the dynamic table unchanged.
 
-    Such a block leaves the dynamic table as it was, so while the table is unchanged the same
-    bytes mean the same headers; a server answers every call with the same few of them
-    (``:status``, ``content-type``, ``grpc-status: 0``), which then cost a dict lookup instead
-    of a pure-Python decode. Any other block may change the table and clears the memo.
+    While the table is unchanged the same bytes mean the same headers, and a server answers
+    every call with the same few blocks (``:status``/``content-type`` and ``grpc-status: 0``
+    once indexed, ``grpc-message`` as a literal that is not indexed); those then cost a dict
+    lookup instead of a pure-Python decode. A block that adds to the table or resizes it
+    clears the memo, since it changes what the indices mean.
     """
 
     __slots__ = ("_decoder", "_memo")
@@ -113,7 +114,7 @@ class HeaderDecoder:
         if known is not None:
             return known
         headers = [(str(name), str(value)) for name, value in self._decoder.decode(block)]
-        if _only_indexed(block):
+        if _keeps_table(block):
             if len(self._memo) >= self.MEMO_SIZE:
                 self._memo.clear()
             self._memo[block] = headers
@@ -122,19 +123,51 @@ class HeaderDecoder:
         return headers
 
 
-def _only_indexed(block: bytes) -> bool:
-    """Whether every field of the block is an indexed one (RFC 7541 section 6.1)."""
+def _keeps_table(block: bytes) -> bool:
+    """Whether no field of the block adds to the dynamic table or resizes it: only indexed
+    fields and literals without indexing or never indexed (RFC 7541 section 6)."""
     at, size = 0, len(block)
-    while at < size:
-        first = block[at]
-        if not first & 0x80:
-            return False
+    try:
+        while at < size:
+            first = block[at]
+            if first & 0x80:
+                at = _skip_int(block, at, 7)
+            elif first & 0x60:
+                return False
+            else:
+                at = _skip_int(block, at, 4)
+                if not first & 0x0F:
+                    at = _skip_string(block, at)
+                at = _skip_string(block, at)
+    except IndexError:
+        return False
+    return at == size
+
+
+def _skip_int(block: bytes, at: int, prefix_bits: int) -> int:
+    limit = (1 << prefix_bits) - 1
+    if block[at] & limit != limit:
+        return at + 1
+    at += 1
+    while block[at] & 0x80:
         at += 1
-        if first & 0x7F == 0x7F:
-            while at < size and block[at] & 0x80:
-                at += 1
+    return at + 1
+
+
+def _skip_string(block: bytes, at: int) -> int:
+    limit = 0x7F
+    length = block[at] & limit
+    at += 1
+    if length == limit:
+        shift = 0
+        while True:
+            byte = block[at]
             at += 1
-    return True
+            length += (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+    return at + length
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:

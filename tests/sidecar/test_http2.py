@@ -509,3 +509,14 @@ def test_the_header_memo_follows_the_dynamic_table() -> None:
     # Entry 62 is now b=2 (a=1 moved to 63): the memo must not answer a=1.
     assert decoder.decode(b"\xbe") == [("b", "2")]
     assert decoder.decode(b"\xbf\x88") == [("a", "1"), (":status", "200")]
+    # Literals that are not indexed (plain and Huffman-coded) leave the table alone: they are
+    # remembered, and what was remembered stays valid.
+    plain = b"\x00\x0cgrpc-message\x00"
+    assert decoder.decode(plain) == [("grpc-message", "")]
+    secret = encoder.encode([hpack.NeverIndexedHeaderTuple("key", "x" * 200)])
+    assert decoder.decode(secret) == [("key", "x" * 200)]
+    assert decoder.decode(b"\xbe") == [("b", "2")]
+    assert decoder._memo.keys() >= {plain, secret, b"\xbe"}
+    # A table size update changes the table: everything is forgotten.
+    assert decoder.decode(b"\x3f\xe1\x1f\xbe") == [("b", "2")]
+    assert not decoder._memo
