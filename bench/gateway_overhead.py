@@ -8,7 +8,14 @@ drives them from this process (the client), and reads the gateway process's CPU 
 - streaming chat requests at two lengths: CPU per request, and the marginal CPU per streamed
   token (the slope between the two lengths, so per-request costs cancel out).
 
+Real vLLM sends one message per token; the mock at zero latency coalesces the tokens produced
+while the gateway was busy into fewer messages, which makes tokens look cheaper than they are.
+The table therefore also counts the SSE chunks each request received, and the per-token figure
+is the marginal CPU per chunk as well: pace the mock (``--mock-speed``, e.g. 8) until chunks
+equal tokens to measure the one-token-per-message case.
+
     .venv/bin/python bench/gateway_overhead.py [--requests 2000] [--concurrency 16]
+        [--mock-speed 0]
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class Phase:
     name: str
     requests: int
     tokens: int
+    chunks: int
     cpu: float
     wall: float
     latencies: list[float]
@@ -109,12 +117,13 @@ async def drive(
         body["stream_options"] = {"include_usage": True}
     latencies: list[float] = []
     tokens = 0
+    chunks = 0
     queue = iter(range(n))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
         async def worker() -> None:
-            nonlocal tokens
+            nonlocal tokens, chunks
             for _ in queue:
                 start = time.perf_counter()
                 if stream:
@@ -124,6 +133,7 @@ async def drive(
                         async for line in r.aiter_lines():
                             if line.startswith("data: {"):
                                 last = line
+                                chunks += '"content":"' in line and '"content":""' not in line
                         tokens += json.loads(last[6:])["usage"]["completion_tokens"]
                 else:
                     r = await client.post("/v1/chat/completions", json=body)
@@ -134,7 +144,7 @@ async def drive(
         cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         cpu1, wall1 = cpu_seconds(pid), time.perf_counter()
-    return Phase(name, n, tokens, cpu1 - cpu0, wall1 - wall0, latencies)
+    return Phase(name, n, tokens, chunks, cpu1 - cpu0, wall1 - wall0, latencies)
 
 
 async def run(args: argparse.Namespace, url: str, pid: int) -> None:
@@ -145,14 +155,17 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> None:
     plain = await drive(url, pid, "chat", n, c, False, short)
     s_short = await drive(url, pid, "stream-short", n, c, True, short)
     s_long = await drive(url, pid, "stream-long", n // 2, c, True, long)
-    print(f"gateway CPU, {n} requests per phase, concurrency {c} (mock engine at zero latency)")
     print(
-        f"{'phase':<14}{'reqs':>6}{'tokens':>8}{'req/s':>9}{'CPU/req ms':>12}"
+        f"gateway CPU, {n} requests per phase, concurrency {c} "
+        f"(mock engine speed {args.mock_speed:g}; 0 = zero latency)"
+    )
+    print(
+        f"{'phase':<14}{'reqs':>6}{'tokens':>8}{'chunks':>8}{'req/s':>9}{'CPU/req ms':>12}"
         f"{'p50 ms':>9}{'p99 ms':>9}"
     )
     for phase in (plain, s_short, s_long):
         print(
-            f"{phase.name:<14}{phase.requests:>6}{phase.tokens:>8}"
+            f"{phase.name:<14}{phase.requests:>6}{phase.tokens:>8}{phase.chunks:>8}"
             f"{phase.requests / phase.wall:>9.0f}{phase.cpu / phase.requests * 1000:>12.3f}"
             f"{phase.pct(0.5):>9.2f}{phase.pct(0.99):>9.2f}"
         )
@@ -161,11 +174,19 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> None:
     tokens_short = s_short.tokens / s_short.requests
     tokens_long = s_long.tokens / s_long.requests
     per_token = (per_req_long - per_req_short) / (tokens_long - tokens_short)
+    chunks_short = s_short.chunks / s_short.requests
+    chunks_long = s_long.chunks / s_long.requests
     print(f"non-streaming CPU per request: {plain.cpu / plain.requests * 1e3:.3f} ms")
     print(
         f"streaming CPU per token (marginal, {tokens_short:.0f} vs {tokens_long:.0f} tokens): "
         f"{per_token * 1e6:.1f} us"
     )
+    if chunks_long > chunks_short:
+        per_chunk = (per_req_long - per_req_short) / (chunks_long - chunks_short)
+        print(
+            f"streaming CPU per chunk (marginal, {chunks_short:.1f} vs {chunks_long:.1f} "
+            f"chunks): {per_chunk * 1e6:.1f} us"
+        )
 
 
 def main() -> None:
@@ -174,11 +195,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--short-tokens", type=int, default=16)
     parser.add_argument("--long-tokens", type=int, default=128)
+    parser.add_argument("--mock-speed", type=float, default=0.0)
     args = parser.parse_args()
     engine_port, http_port = _port(), _port()
     mock = [
         sys.executable, "-m", "mocker", "--port", str(engine_port), "--dp-size", "2",
-        "--speed", "0", "--model", MODEL, "--tokenizer", str(TOKENIZER),
+        "--speed", str(args.mock_speed), "--model", MODEL, "--tokenizer", str(TOKENIZER),
         "--max-model-len", "4096", "--log-level", "warning",
     ]  # fmt: skip
     gateway = [
