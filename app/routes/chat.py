@@ -58,7 +58,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     options = req.stream_options
     ctx = ResponseContext(
         kind="chat",
-        response_id=f"chatcmpl-{rid}",
+        response_id=f"chatcmpl-{req.request_id or record.request_id}",
         created=int(time.time()),
         model=req.model,
         n=req.n,

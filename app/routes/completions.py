@@ -60,7 +60,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     options = req.stream_options
     ctx = ResponseContext(
         kind="completion",
-        response_id=f"cmpl-{rid}",
+        response_id=f"cmpl-{req.request_id or record.request_id}",
         created=int(time.time()),
         model=req.model,
         n=req.n,

@@ -7,6 +7,8 @@ exactly once, when the client has its last byte (for a stream, when the stream e
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
@@ -44,11 +46,22 @@ async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
     return response
 
 
+# Client-chosen ids repeat across clients, but vLLM and the sidecar key live requests by id:
+# those get a suffix unique to this process (and, through the random tag, to this worker).
+_PROCESS_TAG = os.urandom(3).hex()
+_SERIAL = itertools.count()
+
+
 def engine_request_id(record: RequestRecord, body_id: str | None) -> str:
-    """The id vLLM sees: the body's ``request_id`` when given (as with vLLM's own server),
-    else the record's. A body id also names the record unless the client sent a header."""
-    if not body_id:
+    """The id vLLM sees: the client's (body ``request_id``, else ``X-Request-Id``) made unique
+    with a suffix, or the gateway's own. A body id also names the record unless the client
+    sent a header."""
+    if body_id:
+        if not record.client_named and is_safe(body_id):
+            record.request_id = body_id
+        base = body_id
+    elif record.client_named:
+        base = record.request_id
+    else:
         return record.request_id
-    if not record.client_named and is_safe(body_id):
-        record.request_id = body_id
-    return body_id
+    return f"{base}-{_PROCESS_TAG}{next(_SERIAL):x}"
