@@ -70,6 +70,19 @@ TUNABLES: tuple[Tunable, ...] = (
         "spills a hot prefix elsewhere",
     ),
     Tunable(
+        "--route-recent-weight",
+        "recent_weight",
+        float,
+        "cost per prompt token a rank prefilled lately, so that idle-looking ranks between "
+        "turns still count the conversations they serve (0: only in-flight work counts)",
+    ),
+    Tunable(
+        "--route-recent-half-life",
+        "recent_half_life",
+        float,
+        "seconds over which a rank's recent prefill work fades by half",
+    ),
+    Tunable(
         "--route-predict-ttl",
         "predict_ttl",
         float,

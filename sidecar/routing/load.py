@@ -12,7 +12,9 @@ decision; this process's own changes are written to its row of the board as they
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 
 from sidecar.routing.base import RouteDecision
 from sidecar.routing.shared_load import SharedLoadBoard
@@ -77,6 +79,42 @@ class LoadTracker:
 
     def has_room(self, slot: int) -> bool:
         return self.in_flight[slot] < self.max_running[slot]
+
+
+class RecentWork:
+    """Per slot: prompt tokens a rank had to prefill lately, fading with a half-life.
+
+    The in-flight view forgets a request the moment it finishes, so at light load every rank
+    looks idle and the cache is the kv policy's only signal. A prefix that every prompt shares
+    (a chat template's header, a common system preamble) then pulls each new conversation onto
+    the rank that saw it first, and that rank keeps them all while the others idle. What the
+    idle-looking view misses is the work done there lately: those conversations come back.
+    """
+
+    __slots__ = ("_clock", "_rate", "_stamp", "tokens")
+
+    def __init__(
+        self, slots: int, half_life: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if half_life <= 0:
+            raise ValueError("half_life must be positive")
+        self._rate = math.log(2) / half_life
+        self._clock = clock
+        self._stamp = clock()
+        self.tokens = [0.0] * slots
+
+    def current(self) -> list[float]:
+        """Each slot's faded total as of now."""
+        now = self._clock()
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            factor = math.exp(-self._rate * elapsed)
+            self.tokens = [tokens * factor for tokens in self.tokens]
+            self._stamp = now
+        return self.tokens
+
+    def add(self, slot: int, tokens: float) -> None:
+        self.current()[slot] += tokens
 
 
 class LoadTicket:

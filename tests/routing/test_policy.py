@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from sidecar.errors import EngineUnavailable, InvalidRequest
 from sidecar.routing.events import IntakeSettings
-from sidecar.routing.policy import RoutingConfig, build_router
+from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
 from sidecar.types import MediaInput
 from tests.routing.conftest import BLOCK, RigFactory, engine_info, prepared, sample
 from tests.routing.publisher import stored
@@ -74,6 +74,59 @@ async def test_cost_trades_cached_prefix_against_queued_prefill() -> None:
     assert other.decision.rank != first.decision.rank
 
 
+async def test_a_prefix_every_prompt_shares_does_not_herd_new_conversations(
+    event_rig: RigFactory,
+) -> None:
+    # Rank 0 announced the header that every prompt starts with; each conversation finishes
+    # before the next arrives, so no rank ever has work in flight.
+    rig = await event_rig(config=PROBE)
+    rig.publishers[0].publish([stored([1], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+    ranks = []
+    for n in range(8):
+        system = list(range(2000 + 100 * n, 2064 + 100 * n))
+        ticket = rig.router.route(prepared([*P, *system], f"c{n}"))
+        ticket.first_token()
+        ticket.finished()
+        ranks.append(ticket.decision.rank)
+    # Work done lately outweighs the one shared block: conversations alternate.
+    assert ranks.count(0) == ranks.count(1) == 4
+
+    # Without the recent-work term the header alone decides: all of them go to rank 0.
+    herd = await event_rig(config=RoutingConfig(pending_ttl=0, recent_weight=0))
+    herd.publishers[0].publish([stored([1], P, block_size=BLOCK)])
+    # The registry is shared with the first rig, whose batch counted already.
+    await herd.settle(0, 2)
+    for n in range(8):
+        ticket = herd.router.route(prepared([*P, *range(5000 + 100 * n, 5064 + 100 * n)]))
+        ticket.finished()
+        assert ticket.decision.rank == 0
+
+
+async def test_recent_work_fades_and_never_outweighs_a_long_cached_prefix(
+    event_rig: RigFactory,
+) -> None:
+    config = RoutingConfig(pending_ttl=0, recent_half_life=0.2)
+    rig = await event_rig(config=config)
+    history = list(range(3000, 3000 + 8 * BLOCK))
+    rig.publishers[0].publish([stored(list(range(10, 18)), history, block_size=BLOCK)])
+    await rig.settle(0, 1)
+    # Lots of recent work on rank 0 still loses to re-prefilling the whole history elsewhere.
+    for n in range(5):
+        ticket = rig.router.route(prepared([*history, 40 + n], f"turn{n}"))
+        ticket.finished()
+        assert ticket.decision.rank == 0
+        assert ticket.decision.cached_tokens == len(history)
+    assert isinstance(rig.router, KvRouter)
+    recent = rig.router.recent
+    assert recent is not None
+    before = recent.current()[0]
+    assert before > 0
+    await asyncio.sleep(0.4)
+    # Two half-lives later a quarter is left (less whatever the clock adds).
+    assert recent.current()[0] <= before / 4 * 1.05
+
+
 async def test_decode_load_counts_after_first_token() -> None:
     config = RoutingConfig(prefill_weight=1.0, decode_weight=1.0)
     router = build_router(config, CollectorRegistry())
@@ -123,8 +176,10 @@ async def test_events_off_prediction_expires() -> None:
 
 
 async def test_ties_are_spread_by_first_block_not_rank_zero(event_rig: RigFactory) -> None:
-    # Events on but silent, no bridging predictions: every rank costs the same.
-    router = (await event_rig((0, 1, 2, 3), config=PROBE)).router
+    # Events on but silent, no bridging predictions, recent work not weighed: every rank costs
+    # the same.
+    config = RoutingConfig(pending_ttl=0, recent_weight=0)
+    router = (await event_rig((0, 1, 2, 3), config=config)).router
     ranks = set()
     for start in range(0, 4000, 100):
         ticket = router.route(prepared(list(range(start, start + 40)), f"p{start}"))
@@ -213,6 +268,10 @@ def test_config_is_validated() -> None:
         RoutingConfig(policy="random")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="decode_weight"):
         RoutingConfig(decode_weight=-1)
+    with pytest.raises(ValueError, match="recent_weight"):
+        RoutingConfig(recent_weight=-0.1)
+    with pytest.raises(ValueError, match="recent_half_life"):
+        RoutingConfig(recent_half_life=0)
     with pytest.raises(ValueError, match="prefill_weight"):
         RoutingConfig(prefill_weight=-0.5)
     with pytest.raises(ValueError, match="image_token_id"):
