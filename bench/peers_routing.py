@@ -428,7 +428,7 @@ def main() -> None:
     real = parser.add_argument_group("real vLLM")
     real.add_argument("--real", action="store_true", help="against real vLLM (DP=2)")
     real.add_argument("--max-model-len", type=int, default=2048)
-    real.add_argument("--conversations", type=int, default=32)
+    real.add_argument("--conversations", type=int, default=24)
     real.add_argument("--turns", type=int, default=5)
     real.add_argument("--groups", type=int, default=4, help="distinct system prompts")
     real.add_argument("--system-tokens", type=int, default=384)
