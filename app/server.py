@@ -25,7 +25,7 @@ from app.admission import Admission
 from app.auth import install_access
 from app.clients import ClientWatch
 from app.errors import install_error_handlers
-from app.fastpath import FastPath
+from app.fastpath import FastPath, FastPathApp
 from app.gateway import Engine, Gateway, ServingOptions
 from app.metrics import EngineProbe, GatewayMetrics
 from app.observe import RequestObserver
@@ -132,7 +132,7 @@ def create_app(
                 app.state.metrics.watch_engine(None)
                 app.state.gateway = None
 
-    app = FastAPI(
+    app = FastPathApp(
         title="Rankgate",
         version=__version__,
         description="OpenAI-compatible gateway in front of vLLM with KV-cache-aware DP routing.",
@@ -156,6 +156,7 @@ def create_app(
         "/v1/completions": completions.create_completion,
     }
     app.add_middleware(FastPath, routes=hot)
+    app.serve_directly(hot)
     app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
     install_access(app, settings.access)
     for module in (chat, completions, models, ops):
