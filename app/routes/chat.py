@@ -76,12 +76,9 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     if not req.stream:
         try:
             source = Tracked(gateway.engine.generate(prepared.request), record)
-            whole = await whole_body(request, source, lambda deltas: chat_completion(ctx, deltas))
+            body, first = await whole_body(source, lambda deltas: chat_completion(ctx, deltas))
         finally:
             permit.release()
-        if whole is None:
-            return Response(status_code=499)
-        body, first = whole
         gateway.chat.observe(prepared, first)
         return Response(body, media_type="application/json", headers=route_headers(first))
     try:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from fastapi import Request
@@ -19,7 +18,6 @@ from app.respond.merge import Primed, close_stream, prime
 from sidecar.errors import EngineUnavailable
 from sidecar.types import Delta, EngineInfo
 
-T = TypeVar("T")
 RANK_HEADER = "x-data-parallel-rank"
 
 
@@ -73,48 +71,19 @@ def pinned_rank(request: Request) -> int | None:
 
 
 async def whole_body(
-    request: Request,
     source: AsyncIterator[Delta],
     build: Callable[[Primed], Awaitable[bytes]],
-) -> tuple[bytes, Delta | None] | None:
+) -> tuple[bytes, Delta | None]:
     """A non-streaming answer: ``build`` over all of ``source``, and the first delta.
 
-    The client is watched from before the engine is asked: a non-streaming request runs as
-    unary engine calls with no first token to wait for, and a client that leaves must drop
-    them at once. None when the client left; ``source`` is closed either way.
+    A client that hangs up is caught by :class:`app.clients.ClientWatch`, which watches from
+    the moment the body is read and cancels this task: the cancellation drops the unary
+    engine calls at once (there is no first token to wait for). ``source`` is closed either
+    way.
     """
-
-    async def gather() -> tuple[bytes, Delta | None]:
+    try:
         deltas = await prime(source)
         first = deltas.first
         return await build(deltas), first
-
-    try:
-        return await unless_disconnected(request, gather())
     finally:
         await close_stream(source)
-
-
-async def _disconnected(request: Request, task: asyncio.Task[Any]) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            task.cancel()
-            return
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Await ``work``; if the client hangs up first, cancel it (dropping the engine streams
-    it reads) and return None, as vLLM aborts a request whose client is gone."""
-    task = asyncio.current_task()
-    assert task is not None
-    watcher = asyncio.ensure_future(_disconnected(request, task))
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():
-            task.uncancel()
-            return None
-        raise
-    finally:
-        watcher.cancel()

@@ -83,14 +83,11 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         source = merged([engine.generate(p) for p in prepared.requests], req.n)
     if not req.stream:
         try:
-            whole = await whole_body(
-                request, Tracked(source, record), lambda deltas: completion(ctx, deltas)
+            body, first = await whole_body(
+                Tracked(source, record), lambda deltas: completion(ctx, deltas)
             )
         finally:
             permit.release()
-        if whole is None:
-            return Response(status_code=499)
-        body, first = whole
         return Response(body, media_type="application/json", headers=route_headers(first))
     try:
         deltas = await prime(Tracked(source, record))
