@@ -100,6 +100,15 @@ class Run:
     measured: CacheCounters | None = None
     estimated: CacheCounters | None = None
     best: CacheCounters | None = None
+    # Each pass's busiest rank share: pooled counts would hide a pass that piled onto rank 0
+    # behind one that piled onto rank 1.
+    shares: list[float] = dataclasses.field(default_factory=list)
+
+    def close(self) -> Run:
+        share = None if self.measured is None else self.measured.busiest_share
+        if share is not None:
+            self.shares.append(share)
+        return self
 
     def absorb(self, other: Run) -> None:
         """Pool another pass of the same target: counts add up, TTFT samples join."""
@@ -109,6 +118,7 @@ class Run:
         self.measured = _add(self.measured, other.measured)
         self.estimated = _add(self.estimated, other.estimated)
         self.best = _add(self.best, other.best)
+        self.shares.extend(other.shares)
 
     def row(self) -> list[str]:
         result = self.result
@@ -120,7 +130,7 @@ class Run:
             _percent(self.measured),
             _percent(self.estimated),
             _percent(self.best),
-            _share(self.measured),
+            f"{sum(self.shares) / len(self.shares):.0%}" if self.shares else "n/a",
             f"{result.mean_ttft * 1e3:.1f}",
             f"{result.p99_ttft * 1e3:.1f}",
             f"{throughput:.2f}",
@@ -132,11 +142,6 @@ def _add(a: CacheCounters | None, b: CacheCounters | None) -> CacheCounters | No
     return None if a is None or b is None else a + b
 
 
-def _share(counters: CacheCounters | None) -> str:
-    share = None if counters is None else counters.busiest_share
-    return "n/a" if share is None else f"{share:.0%}"
-
-
 def _percent(counters: CacheCounters | None) -> str:
     rate = None if counters is None else counters.hit_rate
     return "n/a" if rate is None else f"{rate:.1%}"
@@ -144,7 +149,7 @@ def _percent(counters: CacheCounters | None) -> str:
 
 HEAD = [
     "workload", "target", "requests", "hit rate", "router estimate", "ceiling",
-    "busiest rank", "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
+    "busiest rank (mean of passes)", "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
 ]  # fmt: skip
 
 
@@ -252,7 +257,7 @@ async def one_mock(
     by_rank = tuple(float(after[r].prompt_tokens - before[r].prompt_tokens) for r in sorted(after))
     run.measured = CacheCounters(queries=prompt, hits=cached, by_engine=by_rank)
     run.best = ceiling(sent, config.block_size)
-    return run
+    return run.close()
 
 
 async def reset_prefix_cache(http: httpx.AsyncClient, base_url: str) -> None:
@@ -284,7 +289,7 @@ async def one_real(
             run.measured = await read_counters(http, vllm_http) - before
     run.result.requests = len(run.result.ttfts)
     run.best = ceiling(sent, engine.block_size)
-    return run
+    return run.close()
 
 
 def render(rows: list[list[str]], title: str, markdown: bool) -> str:
