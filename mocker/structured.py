@@ -8,20 +8,19 @@ structural tags cannot be honoured this way and are refused with UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
 import string
 from typing import Any
 
+import grpc
+
 from mocker.status import RpcStatus, invalid_argument
 
-try:  # Python 3.11+: the regex parser lives in re._parser.
-    from re import _parser as sre_parse  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover
-    import sre_parse
-
-import grpc
+# The stdlib's regex parser (re._parser since 3.11); typeshed does not describe it.
+sre_parse: Any = importlib.import_module("re._parser")
 
 _MAX_REPEAT = 3
 _WORDS = ("alpha", "delta", "sigma", "omega", "kappa", "theta")
