@@ -258,7 +258,7 @@ class GatewayMetrics:
             series.queue.observe(done.queue)
         if done.ttft > 0.0:
             series.ttft.observe(done.ttft)
-        if done.inter_token > 0.0:
+        if done.inter_token >= 0.0:
             series.inter_token.observe(done.inter_token)
         if done.prompt_tokens:
             series.prompt.inc(done.prompt_tokens)

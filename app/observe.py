@@ -74,19 +74,19 @@ class RequestRecord:
             self.ranks = [self.rank, delta.rank]
 
     def timings(self) -> tuple[float, float, float, float]:
-        """Seconds: total, queue, time to first token and mean inter-token latency (0 when
-        not measured)."""
+        """Seconds: total, queue, time to first token (0 when not measured) and mean
+        inter-token latency (-1 when not measured; 0 is real: tokens that arrived together)."""
         end = perf_counter()
         started = self.started
         queue = self.submitted - started if self.submitted else 0.0
         if not self.stream or not self.first_token:
             # A request that does not stream gets its whole output at once (vLLM's unary
             # Generate): there is no first token to time.
-            return end - started, queue, 0.0, 0.0
+            return end - started, queue, 0.0, -1.0
         ttft = self.first_token - started
-        inter = 0.0
+        inter = -1.0
         per_choice = self.completion_tokens // max(1, self.n)
-        if per_choice > 1 and self.last_token > self.first_token:
+        if per_choice > 1:
             inter = (self.last_token - self.first_token) / (per_choice - 1)
         return end - started, queue, ttft, inter
 
