@@ -335,10 +335,9 @@ class Sidecar:
                         response = await leg.call
                         break
                     except grpc.aio.AioRpcError as error:
-                        failure = self._failure(leg, error)
-                        retry = self._retry(leg, failure, request, messages, want_logprobs, True)
-                        if retry is None:
-                            raise failure from None
+                        retry = self._retry_or_raise(
+                            leg, error, True, request, messages, want_logprobs, unary=True
+                        )
                         legs.append(retry)
                         leg = retry
                     except asyncio.CancelledError:
@@ -356,14 +355,9 @@ class Sidecar:
                         try:
                             response = task.result()
                         except grpc.aio.AioRpcError as error:
-                            failure = self._failure(leg, error)
-                            retry = None
-                            if not yielded:
-                                retry = self._retry(
-                                    leg, failure, request, messages, want_logprobs, True
-                                )
-                            if retry is None:
-                                raise failure from None
+                            retry = self._retry_or_raise(
+                                leg, error, not yielded, request, messages, want_logprobs, True
+                            )
                             legs.append(retry)
                             reads[asyncio.ensure_future(retry.call)] = retry
                             continue
@@ -384,12 +378,9 @@ class Sidecar:
                     except StopAsyncIteration:
                         raise self._truncated(leg) from None
                     except grpc.aio.AioRpcError as error:
-                        failure = self._failure(leg, error)
-                        retry = None
-                        if not yielded:
-                            retry = self._retry(leg, failure, request, messages, want_logprobs)
-                        if retry is None:
-                            raise failure from None
+                        retry = self._retry_or_raise(
+                            leg, error, not yielded, request, messages, want_logprobs
+                        )
                         legs.append(retry)
                         leg = retry
                         responses = leg.call.__aiter__()
@@ -414,12 +405,9 @@ class Sidecar:
                         try:
                             response = task.result()
                         except grpc.aio.AioRpcError as error:
-                            failure = self._failure(leg, error)
-                            retry = None
-                            if not yielded:
-                                retry = self._retry(leg, failure, request, messages, want_logprobs)
-                            if retry is None:
-                                raise failure from None
+                            retry = self._retry_or_raise(
+                                leg, error, not yielded, request, messages, want_logprobs
+                            )
                             legs.append(retry)
                             reads[asyncio.ensure_future(retry.call.read())] = retry
                             continue
@@ -481,6 +469,25 @@ class Sidecar:
             leg.started = True
             ticket.first_token()
         return leg
+
+    def _retry_or_raise(
+        self,
+        leg: _Leg,
+        error: grpc.aio.AioRpcError,
+        may_retry: bool,
+        request: PreparedRequest,
+        messages: Sequence[Any],
+        want_logprobs: bool,
+        unary: bool = False,
+    ) -> _Leg:
+        """The relaunched leg for a failed call, or the call's typed error raised."""
+        failure = self._failure(leg, error)
+        retry = None
+        if may_retry:
+            retry = self._retry(leg, failure, request, messages, want_logprobs, unary)
+        if retry is None:
+            raise failure from None
+        return retry
 
     def _retry(
         self,
