@@ -10,7 +10,7 @@ from typing import Any
 
 import uvloop
 
-from mocker.config import ConfigError, MockEngineConfig
+from mocker.config import GRPC_SERVERS, ConfigError, MockEngineConfig
 from mocker.transfer import ROLES
 
 
@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", default=d.host, help="gRPC listen host (default: %(default)s)")
     a("--port", type=int, default=d.port, help="gRPC listen port (default: %(default)s)")
+    a(
+        "--grpc-server",
+        choices=GRPC_SERVERS,
+        default=d.grpc_server,
+        help="inloop: HTTP/2 on the event loop (fast); grpcio: grpc.aio's server, as a "
+        "fallback for an unusual client (default: %(default)s)",
+    )
     a("--dp-size", type=int, default=d.dp_size, help="data-parallel group size")
     a("--dp-start-rank", type=int, default=d.dp_start_rank, help="first rank served here")
     a("--dp-local-size", type=int, default=d.dp_local_size, help="ranks served here; 0 = all")
@@ -81,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
     return MockEngineConfig(
         host=args.host,
         port=args.port,
+        grpc_server=args.grpc_server,
         dp_size=args.dp_size,
         dp_start_rank=args.dp_start_rank,
         dp_local_size=args.dp_local_size,

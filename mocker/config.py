@@ -12,6 +12,8 @@ from typing import Literal
 from mocker.transfer import ROLES, Role
 
 EventFormat = Literal["map", "array"]
+GrpcServer = Literal["inloop", "grpcio"]
+GRPC_SERVERS: tuple[GrpcServer, ...] = ("inloop", "grpcio")
 
 
 class ConfigError(ValueError):
@@ -22,6 +24,9 @@ class ConfigError(ValueError):
 class MockEngineConfig:
     host: str = "127.0.0.1"
     port: int = 50051
+    # "inloop": HTTP/2 served on the event loop (mocker.h2server), about half the CPU per
+    # streamed message; "grpcio": grpc.aio's server, for a client the first cannot serve.
+    grpc_server: GrpcServer = "inloop"
     # Data-parallel topology, with vLLM's meaning: this frontend serves ranks
     # ``dp_start_rank .. dp_start_rank + dp_local_size`` (0 = the whole group).
     dp_size: int = 1
@@ -117,6 +122,10 @@ class MockEngineConfig:
             raise ConfigError("eos_probability must lie in [0, 1]")
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.grpc_server not in GRPC_SERVERS:
+            raise ConfigError(
+                f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, got {self.grpc_server!r}"
+            )
         if self.kv_transfer_seconds < 0 or self.kv_transfer_seconds_per_block < 0:
             raise ConfigError("KV transfer times must be >= 0")
 

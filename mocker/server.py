@@ -23,6 +23,7 @@ from mocker.engine import EngineRequest, RankEngine
 from mocker.events import KvEventPublisher
 from mocker.faults import Faults
 from mocker.group import DpGroup
+from mocker.h2server import H2Server
 from mocker.media import ImagePolicy, MediaResolver
 from mocker.model import TokenModel
 from mocker.output import Emitted, Finish
@@ -34,9 +35,10 @@ from sidecar.proto.vllm import control_pb2, control_pb2_grpc, inference_pb2, inf
 log = logging.getLogger(__name__)
 
 _FinishReason = inference_pb2.FinishInfo.FinishReason
+MAX_MESSAGE = 64 << 20
 _GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
     ("grpc.optimization_target", "throughput"),
     ("grpc.http2.bdp_probe", 0),
@@ -67,7 +69,7 @@ class MockServer:
         self._zmq: zmq.asyncio.Context | None = None
         self.group: DpGroup | None = None
         self.faults: Faults | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc.aio.Server | H2Server | None = None
         self.health = HealthServicer()
         self.port = config.port
 
@@ -102,7 +104,12 @@ class MockServer:
         self.faults = Faults(self.group, self.health)
         await self.faults.slow_start(config.startup_delay_s)
 
-        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        server: grpc.aio.Server | H2Server
+        if config.grpc_server == "inloop":
+            server = H2Server(max_message=MAX_MESSAGE)
+        else:
+            server = grpc.aio.server(options=_GRPC_OPTIONS)
+        # Both servers take the generated registrations, so one set of servicers serves both.
         inference_pb2_grpc.add_InferenceServicer_to_server(  # type: ignore[no-untyped-call]
             InferenceService(self), server
         )
@@ -110,10 +117,13 @@ class MockServer:
             ControlService(self), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
-        await server.start()
+        if isinstance(server, H2Server):
+            self.port = await server.start(config.host, config.port)
+        else:
+            self.port = server.add_insecure_port(f"{config.host}:{config.port}")
+            if self.port == 0:
+                raise OSError(f"cannot listen on {config.host}:{config.port}")
+            await server.start()
         self._server = server
 
     async def stop(self, grace: float | None = 0.2) -> None:
