@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer
 
+from app.prepare.segments import SegmentEncoder, probes, segmentable
+
 _SPECIAL_NAMES = (
     "bos_token",
     "eos_token",
@@ -165,8 +167,39 @@ class TextTokenizer:
         )
         # Bounded by the vocabulary: one slot per token id, filled on first use.
         self._bytes_cache: list[bytes | None] = [None] * self.vocab_size
+        self._specials_add_nothing = False
+        self._segments = self._segment_encoder(spec)
+
+    def _segment_encoder(self, spec: dict[str, Any]) -> SegmentEncoder | None:
+        if not segmentable(spec):
+            return None
+        added = {str(t["content"]): int(t["id"]) for t in spec.get("added_tokens", ())}
+        segments = SegmentEncoder(self._encode_plain, added)
+        texts = probes(added)
+        if not segments.agrees(self._encode_plain, texts):
+            return None
+        segments.clear()
+        # A post-processor that adds no tokens (byte-level, none) leaves add_special_tokens
+        # without effect: such requests are served from the pieces too.
+        self._specials_add_nothing = all(
+            self._tok.encode(text, add_special_tokens=True).ids == self._encode_plain(text)
+            for text in texts
+        )
+        return segments
+
+    def _encode_plain(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    @property
+    def segmented(self) -> bool:
+        """Whether prompts are encoded from cached pieces (see :mod:`app.prepare.segments`)."""
+        return self._segments is not None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        segments = self._segments
+        if segments is not None and (not add_special_tokens or self._specials_add_nothing):
+            return segments.encode(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

@@ -1,0 +1,184 @@
+"""Piecewise prompt encoding equals whole-text encoding, and its piece cache stays bounded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from app.prepare import segments
+from app.prepare.segments import SegmentEncoder, segmentable
+from app.prepare.tokenizer import TextTokenizer
+from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
+from tests.conftest import TINY_TOKENIZER
+
+_RAW = Tokenizer.from_file(str(TINY_TOKENIZER / "tokenizer.json"))
+_ADDED = [
+    str(t["content"])
+    for t in json.loads((TINY_TOKENIZER / "tokenizer.json").read_text())["added_tokens"]
+]
+_TINY = TextTokenizer(TINY_TOKENIZER)
+_WORDS = [
+    "hello",
+    " world",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "ü",
+    "東京",
+    "😀",
+    "12",
+    "345",
+    "!?",
+    "<",
+    ">",
+]
+_TEXTS = st.lists(st.sampled_from(_WORDS + _ADDED) | st.text(max_size=6), max_size=24).map("".join)
+
+
+def _whole(tokenizer: Tokenizer, text: str, special: bool = False) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=special).ids
+    return ids
+
+
+def test_the_tiny_tokenizer_is_encoded_piecewise() -> None:
+    assert _TINY.segmented
+
+
+@settings(max_examples=300, deadline=None)
+@given(_TEXTS)
+def test_piecewise_ids_equal_whole_text_ids(text: str) -> None:
+    assert _TINY.encode(text, False) == _whole(_RAW, text)
+    # Twice: the second answer comes from the cached pieces.
+    assert _TINY.encode(text, False) == _whole(_RAW, text)
+    assert _TINY.encode(text, True) == _whole(_RAW, text, True)
+
+
+def test_pieces_are_encoded_once() -> None:
+    calls: list[str] = []
+
+    def encode(piece: str) -> list[int]:
+        calls.append(piece)
+        return _whole(_RAW, piece)
+
+    encoder = SegmentEncoder(encode, {"<|im_start|>": 3, "<|im_end|>": 4})
+    system = "<|im_start|>system\nBe brief.<|im_end|>\n"
+    first = encoder.encode(system + "<|im_start|>user\nHi<|im_end|>\n")
+    second = encoder.encode(system + "<|im_start|>user\nBye<|im_end|>\n")
+    assert calls == ["system\nBe brief.", "\n", "user\nHi", "user\nBye"]
+    assert first == _whole(_RAW, system + "<|im_start|>user\nHi<|im_end|>\n")
+    assert second == _whole(_RAW, system + "<|im_start|>user\nBye<|im_end|>\n")
+
+
+def test_the_piece_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "MAX_PIECES", 8)
+    monkeypatch.setattr(segments, "MAX_CACHED_TOKENS", 40)
+    monkeypatch.setattr(segments, "MAX_PIECE_CHARS", 50)
+    encoder = SegmentEncoder(lambda piece: _whole(_RAW, piece), {"<|im_end|>": 4})
+    for i in range(100):
+        text = f"message number {i} says hi<|im_end|>" + "x y " * (i % 30)
+        assert encoder.encode(text) == _whole(_RAW, text)
+        assert encoder.size <= 8
+        assert encoder.cached_tokens <= 40
+    long = "word " * 20
+    encoder.encode(long)
+    assert long not in encoder
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({}, True),
+        ({"added_tokens": [{"id": 1, "content": "<s>", "lstrip": True}]}, False),
+        ({"added_tokens": [{"id": 1, "content": "<s>", "single_word": True}]}, False),
+        (
+            {
+                "normalizer": {"type": "NFC"},
+                "added_tokens": [{"id": 1, "content": "<s>", "normalized": True}],
+            },
+            False,
+        ),
+        (
+            {
+                "added_tokens": [
+                    {"id": 1, "content": "<a>", "normalized": True},
+                    {"id": 2, "content": "<a>b", "normalized": False},
+                ]
+            },
+            False,
+        ),
+        ({"pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "first"}}, False),
+        ({"pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "always"}}, True),
+        (
+            {
+                "pre_tokenizer": {
+                    "type": "Sequence",
+                    "pretokenizers": [{"type": "Digits"}, {"type": "SomethingNew"}],
+                }
+            },
+            False,
+        ),
+        ({"model": {"type": "SomethingNew"}}, False),
+    ],
+)
+def test_only_position_independent_tokenizers_are_segmented(
+    change: dict[str, Any], expected: bool
+) -> None:
+    spec: dict[str, Any] = {
+        "added_tokens": [{"id": 1, "content": "<s>"}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel"},
+        "model": {"type": "BPE"},
+    }
+    spec.update(change)
+    assert segmentable(spec) is expected
+
+
+def _trained(tmp_path: Path, prepend_scheme: str) -> Path:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme)
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme=prepend_scheme)
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world", "東京 naïve"] * 20
+    tokenizer.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "</s>"])
+    )
+    directory = tmp_path / prepend_scheme
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_metaspace_tokenizers_encode_like_the_library(tmp_path: Path, scheme: str) -> None:
+    directory = _trained(tmp_path, scheme)
+    ours = TextTokenizer(directory)
+    raw = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    # "first" prepends only at the start of the whole text: piecewise would differ.
+    assert ours.segmented is (scheme == "always")
+    for text in ("hello world</s> the fox", "<s>the lazy dog<s> hello", " quick</s>"):
+        assert ours.encode(text, False) == _whole(raw, text)
+        assert ours.encode(text, False) == _whole(raw, text)
+
+
+def test_chat_prompts_sent_to_the_engine_match_transformers(
+    scripted_http: httpx.Client, scripted: ScriptedEngine
+) -> None:
+    hf: Any = PreTrainedTokenizerFast.from_pretrained(str(TINY_TOKENIZER))
+    system = {"role": "system", "content": "You answer in one line. ü 東京"}
+    for question in ("What is 2+2?", "And 3+3?", "What is 2+2?"):
+        messages = [system, {"role": "user", "content": question}]
+        response = scripted_http.post(
+            "/v1/chat/completions", json={"model": SCRIPTED_MODEL, "messages": messages}
+        )
+        assert response.status_code == 200, response.text
+        text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        expected = hf.encode(text, add_special_tokens=False)
+        assert list(scripted.requests[-1].prompt_token_ids) == expected
