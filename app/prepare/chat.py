@@ -17,6 +17,7 @@ from app.prepare.params import (
     stopping_params,
     structured_output,
 )
+from app.prepare.prompt_cache import PromptCache
 from app.prepare.rank import resolve_rank
 from app.prepare.template import ChatTemplate, ContentFormat, TemplateRenderError
 from app.prepare.tokenizer import TextTokenizer
@@ -187,6 +188,7 @@ class ChatPreparer:
         self._template = template
         self._settings = settings
         self._media = media
+        self._prompts = PromptCache()
         self._image_token = settings.image_token_id
         if self._image_token is None and settings.image_placeholder:
             self._image_token = tokenizer.token_id(settings.image_placeholder)
@@ -250,23 +252,41 @@ class ChatPreparer:
             extra.setdefault("reasoning_effort", req.reasoning_effort)
         tools = [_tool_dict(t) for t in req.tools] if req.tools else None
         add_special = bool(req.add_special_tokens)
+        generation_prompt = req.add_generation_prompt and not req.continue_final_message
         size = sum(len(str(m.get("content", ""))) for m in messages)
+        key = None
+        if size <= OFFLOAD_CHARS and template.deterministic:
+            key = _conversation_key(
+                messages,
+                tools,
+                req.documents,
+                generation_prompt,
+                req.continue_final_message,
+                extra,
+                add_special,
+            )
+        cached = self._prompts.get(key) if key is not None else None
 
-        def render() -> list[int]:
+        def render() -> tuple[int, ...]:
             text = template.render(
                 messages,
                 tools=tools,
                 documents=req.documents,
-                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                add_generation_prompt=generation_prompt,
                 continue_final_message=req.continue_final_message,
                 extra=extra,
             )
-            return self._tok.encode(text, add_special)
+            return tuple(self._tok.encode(text, add_special))
 
-        try:
-            ids = await asyncio.to_thread(render) if size > OFFLOAD_CHARS else render()
-        except TemplateRenderError as exc:
-            raise invalid(f"chat template error: {exc}", "messages") from None
+        if cached is not None:
+            ids = cached
+        else:
+            try:
+                ids = await asyncio.to_thread(render) if size > OFFLOAD_CHARS else render()
+            except TemplateRenderError as exc:
+                raise invalid(f"chat template error: {exc}", "messages") from None
+            if key is not None:
+                self._prompts.put(key, ids)
         if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
             ids = ids[-req.truncate_prompt_tokens :]
 
@@ -310,7 +330,7 @@ class ChatPreparer:
         skip_special = req.skip_special_tokens and not plan.tool_calls
         prepared = PreparedRequest(
             request_id=request_id,
-            prompt_token_ids=tuple(ids),
+            prompt_token_ids=ids,
             sampling=sampling_params(req, self._tok.vocab_size),
             stopping=stopping,
             output=OutputOptions(logprobs=top, skip_special_tokens=skip_special),
@@ -365,6 +385,15 @@ class ChatPreparer:
             return OutputPlan(reasoning_starts_inside=starts_inside, forced_any=True), forced
         parse_tools = bool(req.tools) and choice != "none" and settings.tool_call_parser is not None
         return OutputPlan(reasoning_starts_inside=starts_inside, tool_calls=parse_tools), None
+
+
+def _conversation_key(*parts: Any) -> bytes | None:
+    """Everything a render reads besides the template, as canonical bytes (None when some
+    part is not plain JSON, which is then rendered each time)."""
+    try:
+        return orjson.dumps(parts)
+    except TypeError:
+        return None
 
 
 def _tool_dict(tool: Any) -> dict[str, Any]:

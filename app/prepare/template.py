@@ -24,6 +24,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 ContentFormat = Literal["string", "openai"]
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# What makes a render depend on more than its inputs: the clock, a random pick.
+_UNSTABLE_NAMES = frozenset({"strftime_now", "lipsum"})
+_UNSTABLE_FILTERS = frozenset({"random"})
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -140,6 +143,15 @@ def detect_content_format(source: str) -> ContentFormat:
     return "string"
 
 
+def _deterministic(source: str) -> bool:
+    """Whether a render depends on its inputs alone (no clock, no random source), so that
+    identical conversations may share one render."""
+    ast = _ENV.parse(source)
+    if any(node.name in _UNSTABLE_NAMES for node in ast.find_all(jinja2.nodes.Name)):
+        return False
+    return not any(node.name in _UNSTABLE_FILTERS for node in ast.find_all(jinja2.nodes.Filter))
+
+
 class ChatTemplate:
     """One compiled chat template and the special tokens it is rendered with."""
 
@@ -150,6 +162,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat template does not compile: {exc}") from exc
         self.content_format: ContentFormat = detect_content_format(source)
+        self.deterministic = _deterministic(source)
         self._special = dict(special_tokens or {})
         # The template's globals (its own over the environment's) and the special tokens as
         # one flat dict: a render then builds its context from a plain dict copy instead of
