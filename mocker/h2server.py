@@ -87,6 +87,8 @@ _FRAME = struct.Struct(">HBBBL")
 _U32 = struct.Struct(">L")
 _SETTING = struct.Struct(">HL")
 _MESSAGE_HEAD = struct.Struct(">BL")
+# A DATA frame's head followed by the head of the one message it carries.
+_DATA_HEAD = struct.Struct(">HBBBLBL")
 
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 # Request headers that are transport, not metadata (grpc.aio leaves them out too).
@@ -708,8 +710,10 @@ class Connection(asyncio.Protocol):
             if method.streaming:
                 if method.generator:
                     serialize = method.serialize
+                    queue = self._queue_message
                     async for response in method.handler(request, context):
-                        await self.send_message(stream, serialize(response))
+                        if queue(stream, serialize(response)) or self._paused:
+                            await self._writable(stream)
                 else:
                     result = method.handler(request, context)
                     if inspect.isawaitable(result):
@@ -746,7 +750,12 @@ class Connection(asyncio.Protocol):
         """Send one response message; wait while the peer's windows or the socket are full."""
         if stream.ended:
             raise asyncio.CancelledError()
-        if self._queue_message(stream, payload):
+        if self._queue_message(stream, payload) or self._paused:
+            await self._writable(stream)
+
+    async def _writable(self, stream: Stream) -> None:
+        """Wait until the stream's queued output is sent and the socket takes more."""
+        if stream.pending:
             waiter = stream.waiter = self._loop.create_future()
             try:
                 await waiter
@@ -777,8 +786,9 @@ class Connection(asyncio.Protocol):
         ):
             stream.send_window -= size
             self._send_window -= size
-            out.append(_FRAME.pack(size >> 8, size & 0xFF, DATA, 0, stream.stream_id))
-            out.append(_MESSAGE_HEAD.pack(0, size - 5))
+            out.append(
+                _DATA_HEAD.pack(size >> 8, size & 0xFF, DATA, 0, stream.stream_id, 0, size - 5)
+            )
             out.append(payload)
             self._schedule_flush()
             return False
