@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.access_log import LOG_FORMATS, configure_logging
-from app.admission import AdmissionConfig
 from app.auth import API_KEY_ENV, AccessConfig, load_keys
 from app.limits import InputLimits
 from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from app.routing_flags import add_routing_arguments, routing_from_args
 from app.settings import GatewaySettings
 from multimodal.types import MediaConfig
+from sidecar.admission import AdmissionConfig
 
 if TYPE_CHECKING:
     import socket
@@ -247,14 +247,15 @@ def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
         "--admission-per-rank",
         type=int,
         default=_env("admission_per_rank", d.admission.per_rank, int),
-        help="engine requests admitted per DP rank; 0: twice vLLM's max_running_requests "
-        "(default: %(default)s)",
+        help="engine streams admitted per DP rank, split evenly across --workers; 0: twice "
+        "the rank's max_running_requests (default: %(default)s)",
     )
     a(
         "--admission-queue",
         type=int,
         default=_env("admission_queue", d.admission.queue, int),
-        help="requests that may wait for admission before 429 (default: %(default)s)",
+        help="requests that may wait for a slot on an eligible rank before 429 "
+        "(default: %(default)s)",
     )
     a(
         "--admission-timeout",

@@ -25,6 +25,7 @@ from sidecar.errors import (
     EngineOverloaded,
     EngineUnavailable,
     FailedPrecondition,
+    GatewayOverloaded,
     InvalidRequest,
     NotFound,
     SidecarError,
@@ -139,9 +140,8 @@ def from_sidecar(exc: SidecarError) -> ApiError:
     if isinstance(exc, FailedPrecondition):
         return ApiError(400, exc.message, code="unsupported")
     if isinstance(exc, EngineOverloaded):
-        return ApiError(
-            429, exc.message, type=RATE_LIMIT, code="engine_overloaded", retry_after=exc.retry_after
-        )
+        code = "gateway_overloaded" if isinstance(exc, GatewayOverloaded) else "engine_overloaded"
+        return ApiError(429, exc.message, type=RATE_LIMIT, code=code, retry_after=exc.retry_after)
     if isinstance(exc, EngineUnavailable):
         return ApiError(
             503,

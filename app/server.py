@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from app import __version__
 from app.access_log import AccessLog
-from app.admission import Admission
+from app.admission import AdmissionCollector
 from app.auth import install_access
 from app.clients import ClientWatch
 from app.errors import install_error_handlers
@@ -36,6 +36,7 @@ from app.schemas.openapi import install_openapi
 from app.settings import GatewaySettings
 from app.shutdown import Shutdown
 from multimodal import MediaPreparer
+from sidecar.admission import Admission
 from sidecar.errors import SidecarError
 from sidecar.routing.shared_load import SharedLoadBoard
 from sidecar.types import EngineInfo
@@ -117,10 +118,10 @@ def create_app(
                     stack.push_async_callback(preparer.aclose)
                     hook = preparer
                 app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
-                shutdown.on_expiry(app.state.admission.close)
                 close = getattr(serving, "close", None)
                 if close is not None and engine is None:
-                    # Pre-empting the engine streams ends each with an error event, not a cut.
+                    # Queued requests get 503; pre-empted engine streams end with an error
+                    # event, not a cut.
                     shutdown.on_expiry(close)
                 app.state.metrics.watch_engine(_engine_probe(serving))
             except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
@@ -148,7 +149,7 @@ def create_app(
     )
     app.state.started_at = int(time.time())
     app.state.limits = settings.limits
-    app.state.admission = Admission(settings.admission, settings.workers)
+    registry.register(AdmissionCollector(lambda: _admission_of(app)))
     app.state.shutdown = shutdown
     install_error_handlers(app)
     hot = {
@@ -195,10 +196,18 @@ async def _start_sidecar(
             decode_handoff_timeout=settings.decode_handoff_timeout,
         ),
         router,
+        Admission(settings.admission, settings.workers),
     )
     await sidecar.start()
     stack.push_async_callback(sidecar.close)
     return sidecar
+
+
+def _admission_of(app: FastAPI) -> Admission | None:
+    """The serving engine's admission, when it has one (an injected test engine may not)."""
+    gateway: Gateway | None = app.state.gateway
+    admission: Admission | None = getattr(gateway.engine, "admission", None) if gateway else None
+    return admission
 
 
 def _engine_probe(engine: Engine) -> EngineProbe:
@@ -238,7 +247,8 @@ async def _start_disaggregated(
             health_interval=settings.health_interval,
             decode_handoff_timeout=settings.decode_handoff_timeout,
         )
-        return Sidecar(config, build_router(routing, metrics, load))
+        admission = Admission(settings.admission, settings.workers)
+        return Sidecar(config, build_router(routing, metrics, load), admission)
 
     engine = DisaggregatedEngine(
         side(prefill, CollectorRegistry(), None), side(decode, registry, shared_load)

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from app.admission import AdmissionConfig
 from app.auth import AccessConfig
 from app.limits import InputLimits
 from multimodal.types import MediaConfig
+from sidecar.admission import AdmissionConfig
 from sidecar.routing.policy import RoutingConfig
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from sidecar.admission import Admission
 from sidecar.engine import Sidecar
 from sidecar.errors import BadEngineResponse, DiscoveryError, EngineUnavailable, InvalidRequest
 from sidecar.routing.policy import RoutingConfig
@@ -121,6 +122,12 @@ class DisaggregatedEngine:
     @property
     def ready(self) -> bool:
         return self._prefill.ready and self._decode.ready
+
+    @property
+    def admission(self) -> Admission:
+        """The decode side's admission (each side admits against its own ranks; a request
+        holds a prefill slot while its prefill runs, then a decode slot)."""
+        return self._decode.admission
 
     @property
     def info(self) -> EngineInfo:

@@ -7,6 +7,9 @@ OpenAI ``n`` as ``n`` engine streams, pins each to the router's rank and interle
 deltas; closing the generator drops every stream at once, which makes vLLM abort them. A
 request that does not stream (``PreparedRequest.stream`` false) uses unary ``Generate`` calls
 instead: one reply per choice rather than one message per token, dropped the same way.
+
+Every engine stream holds an admission slot on its rank (``sidecar.admission``) from launch
+until it ends, however it ends; a request waits for its slots before anything is sent.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import grpc
 import msgspec
 
+from sidecar.admission import Admission
 from sidecar.channels import ChannelPool
 from sidecar.config import SidecarConfig
 from sidecar.convert import DeltaDecoder, RequestEncoder, is_decode_handoff
@@ -67,6 +71,7 @@ class _Leg:
         "preempted",
         "rank_key",
         "request_id",
+        "slot",
         "started",
         "ticket",
     )
@@ -80,6 +85,7 @@ class _Leg:
         parent: str,
         decoder: DeltaDecoder,
         handoff: bool,
+        slot: int | None,
     ) -> None:
         self.call = call
         self.ticket = ticket
@@ -88,6 +94,8 @@ class _Leg:
         self.parent = parent
         self.decoder = decoder
         self.handoff = handoff
+        # The admission key whose slot this stream holds (None: it holds none).
+        self.slot = slot
         self.started = False
         self.done = False
         self.preempted = False
@@ -96,9 +104,14 @@ class _Leg:
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig, router: Router) -> None:
+    def __init__(
+        self, config: SidecarConfig, router: Router, admission: Admission | None = None
+    ) -> None:
         self._config = config
         self._router = router
+        self.admission = admission or Admission()
+        # The ``engine`` policy leaves ranks to vLLM: one pool for the whole group.
+        self._group = router.name == "engine"
         self._endpoint = parse_endpoint(config.endpoint)
         self._retry_after = max(1.0, config.health_interval)
         self._pool: ChannelPool | None = None
@@ -137,6 +150,7 @@ class Sidecar:
             await wait_for_serving(self._pool.first.health, deadline, config.retry_interval)
             discovered = await self._discover_until(deadline)
             self._router.configure(discovered.info)
+            self.admission.configure(discovered.info, self._group)
             await self._router.start()
         except BaseException:
             pool, self._pool = self._pool, None
@@ -166,6 +180,7 @@ class Sidecar:
         self._closed = True
         self._ready = False
         self._problem = "the gateway is shutting down"
+        self.admission.close(self._shutdown_error())
         if self._watch is not None:
             await self._watch.close()
         for task in list(self._background):
@@ -284,6 +299,7 @@ class Sidecar:
                 current.info.instance_id,
             )
             self._router.configure(discovered.info)
+            self.admission.configure(discovered.info, self._group)
         if not self._ready:
             log.info("vLLM is serving again")
         self._activate(discovered)
@@ -303,10 +319,12 @@ class Sidecar:
         """Stream the deltas of every choice of ``request``, interleaved as they arrive.
 
         Raises the typed errors of ``sidecar.errors``; nothing is sent to the engine when the
-        request fails validation. Closing the iterator (or cancelling its consumer) drops all
-        of the request's streams at once, except a disaggregated decode (``decode_handoff``, or
-        params marked ``do_remote_prefill``) that has not produced its first token yet: that
-        one is read on in the background, at most ``decode_handoff_timeout`` seconds.
+        request fails validation or admission (GatewayOverloaded when no slot frees in time).
+        Each choice's stream holds a slot on the rank it runs on. Closing the iterator (or
+        cancelling its consumer) drops all of the request's streams at once, except a
+        disaggregated decode (``decode_handoff``, or params marked ``do_remote_prefill``) that
+        has not produced its first token yet: that one is read on in the background, at most
+        ``decode_handoff_timeout`` seconds.
         """
         current = self._current
         encoder = self._encoder
@@ -324,9 +342,20 @@ class Sidecar:
         legs: list[_Leg] = []
         reads: dict[asyncio.Task[Any], _Leg] = {}
         yielded = False
+        admission = self.admission
+        key = admission.key_of(request.rank)
+        waited = not admission.fits(key, len(messages))
         try:
-            for choice, message in enumerate(messages):
-                legs.append(self._launch(request, choice, message, want_logprobs, handoff, unary))
+            if waited:
+                await admission.wait(key, len(messages), request.priority)
+            try:
+                for choice, message in enumerate(messages):
+                    legs.append(
+                        self._launch(request, choice, message, want_logprobs, handoff, unary)
+                    )
+            finally:
+                if waited:
+                    admission.settle()
             if unary and len(legs) == 1:
                 # One reply message instead of one per token: a fraction of the gRPC work.
                 leg = legs[0]
@@ -436,7 +465,8 @@ class Sidecar:
         unary: bool = False,
     ) -> _Leg:
         assert self._pool is not None
-        ticket = self._router.route(request, choice)
+        admission = self.admission
+        ticket = self._router.route(request, choice, admission.full)
         rank = request.rank if request.rank is not None else ticket.decision.rank
         metadata = None
         if rank is not None:
@@ -451,6 +481,9 @@ class Sidecar:
             ticket.finished()
             raise
         key = UNPINNED_RANK if rank is None else rank
+        slot = admission.key_of(rank)
+        if slot is not None:
+            admission.take(slot)
         leg = _Leg(
             call,
             ticket,
@@ -459,6 +492,7 @@ class Sidecar:
             request.request_id,
             DeltaDecoder(choice, want_logprobs),
             handoff,
+            slot,
         )
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         self._legs[leg.request_id] = leg
@@ -503,7 +537,8 @@ class Sidecar:
         Only failures local to one rank qualify: RESOURCE_EXHAUSTED or an internal error from
         a rank the router chose (never one the client pinned, never a decode hand-off, never
         an engine that is unavailable as a whole). The next rank is the least loaded one not
-        tried yet; at most ``MAX_RANK_RETRIES`` times per choice.
+        tried yet that has an admission slot free; at most ``MAX_RANK_RETRIES`` times per
+        choice. The new rank's slot is taken before the refusing rank's is given back.
         """
         current = self._current
         if (
@@ -516,11 +551,11 @@ class Sidecar:
         ):
             return None
         avoid = (*leg.avoid, leg.rank_key)
-        others = [rank for rank in current.info.ranks if rank not in avoid]
+        full = self.admission.full
+        others = [rank for rank in current.info.ranks if rank not in avoid and rank not in full]
         if not others:
             return None
         target = min(others, key=lambda rank: self._in_flight.get(rank, 0))
-        self._release(leg)
         log.info(
             "request %s: rank %d refused it (%s); retrying on rank %d",
             leg.request_id,
@@ -538,6 +573,7 @@ class Sidecar:
             unary,
         )
         retry.avoid = avoid
+        self._release(leg)
         self.retries += 1
         return retry
 
@@ -570,6 +606,8 @@ class Sidecar:
             return
         leg.done = True
         leg.ticket.finished()
+        if leg.slot is not None:
+            self.admission.give(leg.slot)
         remaining = self._in_flight.get(leg.rank_key, 0) - 1
         if remaining > 0:
             self._in_flight[leg.rank_key] = remaining

@@ -54,3 +54,8 @@ class DiscoveryError(SidecarError):
 class BadEngineResponse(SidecarError):
     """An engine answered outside the contract, e.g. a disaggregated prefill that finished
     without the ``kv_transfer_params`` its decode needs: the gateway cannot go on (HTTP 502)."""
+
+
+class GatewayOverloaded(EngineOverloaded):
+    """The gateway's own admission control refused: no slot on an eligible rank and the waiting
+    queue full, or no slot freed before the deadline (HTTP 429, ``gateway_overloaded``)."""

@@ -15,7 +15,6 @@ from app.respond.merge import prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import chat_events, guarded
 from app.routes.common import (
-    admit,
     decode_body,
     gateway_of,
     pinned_rank,
@@ -72,25 +71,16 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         ),
         plan=prepared.plan,
     )
-    permit = await admit(request, info, req.n, req.priority)
     if not req.stream:
-        try:
-            source = Tracked(gateway.engine.generate(prepared.request), record)
-            body, first = await whole_body(source, lambda deltas: chat_completion(ctx, deltas))
-        finally:
-            permit.release()
+        source = Tracked(gateway.engine.generate(prepared.request), record)
+        body, first = await whole_body(source, lambda deltas: chat_completion(ctx, deltas))
         gateway.chat.observe(prepared, first)
         return Response(body, media_type="application/json", headers=route_headers(first))
-    try:
-        deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
-    except BaseException:
-        permit.release()
-        raise
+    deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
     gateway.chat.observe(prepared, deltas.first)
     observer = observer_of(request)
 
     def done(status: int) -> None:
-        permit.release()
         observer.finish(record, status)
 
     events = guarded(chat_events(ctx, deltas), deltas, done)

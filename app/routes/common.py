@@ -9,14 +9,13 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
-from app.admission import Admission, Permit
 from app.errors import from_decode_error, invalid
 from app.gateway import Gateway
 from app.limits import InputLimits, check_depth, read_body
 from app.metrics import GatewayMetrics
 from app.respond.merge import Primed, close_stream, prime
 from sidecar.errors import EngineUnavailable
-from sidecar.types import Delta, EngineInfo
+from sidecar.types import Delta
 
 RANK_HEADER = "x-data-parallel-rank"
 
@@ -51,12 +50,6 @@ async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> A
         raise invalid("The request body nests JSON too deeply.", code="json_too_deep") from None
     except UnicodeDecodeError as exc:
         raise invalid(f"the request body is not valid UTF-8: {exc}", code="invalid_json") from None
-
-
-async def admit(request: Request, info: EngineInfo, weight: int, priority: int) -> Permit:
-    """Slots for ``weight`` engine streams (or a 429); release the permit when they end."""
-    admission: Admission = request.app.state.admission
-    return await admission.acquire(info, weight, priority)
 
 
 def pinned_rank(request: Request) -> int | None:

@@ -16,7 +16,6 @@ from app.respond.merge import merged, prime
 from app.respond.sse import EventStreamResponse
 from app.respond.stream import completion_events, guarded
 from app.routes.common import (
-    admit,
     decode_body,
     gateway_of,
     pinned_rank,
@@ -74,7 +73,6 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         ),
         echo=prepared.echo,
     )
-    permit = await admit(request, info, req.n * len(prepared.requests), req.priority)
     engine = gateway.engine
     source: AsyncIterator[Delta]
     if len(prepared.requests) == 1:
@@ -82,22 +80,14 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     else:
         source = merged([engine.generate(p) for p in prepared.requests], req.n)
     if not req.stream:
-        try:
-            body, first = await whole_body(
-                Tracked(source, record), lambda deltas: completion(ctx, deltas)
-            )
-        finally:
-            permit.release()
+        body, first = await whole_body(
+            Tracked(source, record), lambda deltas: completion(ctx, deltas)
+        )
         return Response(body, media_type="application/json", headers=route_headers(first))
-    try:
-        deltas = await prime(Tracked(source, record))
-    except BaseException:
-        permit.release()
-        raise
+    deltas = await prime(Tracked(source, record))
     observer = observer_of(request)
 
     def done(status: int) -> None:
-        permit.release()
         observer.finish(record, status)
 
     events = guarded(completion_events(ctx, deltas), deltas, done)

@@ -7,6 +7,7 @@ through the returned :class:`RouteTicket` so the router's load view stays exact.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 import msgspec
@@ -53,8 +54,14 @@ class Router(Protocol):
     def configure(self, info: EngineInfo) -> None:
         """(Re)build per-rank state for a freshly discovered engine."""
 
-    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
-        """Choose the rank for choice ``choice`` of ``request`` and count it as in flight."""
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
+        """Choose the rank for choice ``choice`` of ``request`` and count it as in flight.
+
+        ``full`` names the ranks with no admission slot left: a request the client did not
+        pin goes to one of the others while any is left.
+        """
 
     async def start(self) -> None:
         """Start background work (KV-event subscribers); a no-op for simple policies."""

@@ -14,9 +14,10 @@ an engine step far less than prefilling its prompt did, and on the mocker's GPU-
 the tenth gave both the best hit rate and the best TTFT (``bench/routing_workload.py``).
 Two guards keep the greedy choice honest: a rank at ``max_running_requests`` is skipped while
 another has room, and a rank running ``hot_spill_requests`` more requests than the least busy
-one is skipped, so one hot prefix cannot pile every request onto one rank. Exact ties go to a
-rank picked by the prompt's first block key, so a conversation's turns agree without always
-favouring rank 0.
+one is skipped, so one hot prefix cannot pile every request onto one rank. A rank with no
+admission slot left (``sidecar.admission``) is never chosen while another has one. Exact ties
+go to a rank picked by the prompt's first block key, so a conversation's turns agree without
+always favouring rank 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal
 
 import msgspec
@@ -135,7 +137,9 @@ class EngineRouter:
     def configure(self, info: EngineInfo) -> None:
         return None
 
-    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
         if request.rank is not None:
             self._metrics.routed.labels("engine", str(request.rank)).inc()
             return UntrackedTicket(
@@ -272,8 +276,15 @@ class _CountingRouter:
         self._rotation += 1
         return candidates[self._rotation % len(candidates)]
 
-    def _with_room(self) -> list[int]:
+    def _with_room(self, full: AbstractSet[int] = frozenset()) -> list[int]:
+        """Slots whose rank has an admission slot left (all of them when none has), those
+        below ``max_running_requests`` first."""
         load = self.load
+        if full and self.topology is not None:
+            ranks = self.topology.ranks
+            slots = [slot for slot in range(load.slots) if ranks[slot] not in full]
+            if slots:
+                return [slot for slot in slots if load.has_room(slot)] or slots
         room = [slot for slot in range(load.slots) if load.has_room(slot)]
         return room or list(range(load.slots))
 
@@ -288,13 +299,20 @@ class RoundRobinRouter(_CountingRouter):
 
     name = "round_robin"
 
-    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
         topology = self._require_topology()
         slot = self._pinned_slot(request)
         reason = "pinned"
         if slot is None:
-            slot = self._rotation % len(topology.ranks)
+            count = len(topology.ranks)
+            slot = self._rotation % count
             self._rotation += 1
+            if full and len(full) < count:
+                while topology.ranks[slot] in full:
+                    slot = self._rotation % count
+                    self._rotation += 1
             reason = "turn"
         return self._admit(slot, _prompt_tokens(request), 0, reason)
 
@@ -304,7 +322,9 @@ class LoadRouter(_CountingRouter):
 
     name = "load"
 
-    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
         self._require_topology()
         self.load.sync()
         prompt_tokens = _prompt_tokens(request)
@@ -315,7 +335,7 @@ class LoadRouter(_CountingRouter):
         wp, wd = self.config.prefill_weight, self.config.decode_weight
         best: list[int] = []
         best_cost = 0.0
-        for candidate in self._with_room():
+        for candidate in self._with_room(full):
             cost = wp * load.prefill_tokens[candidate] + wd * load.decode_tokens[candidate]
             cost += load.in_flight[candidate] * 1e-6
             if not best or cost < best_cost:
@@ -425,7 +445,9 @@ class KvRouter(_CountingRouter):
         self._last = (request, keys)
         return keys
 
-    def route(self, request: PreparedRequest, choice: int = 0) -> RouteTicket:
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
         topology = self._require_topology()
         self.load.sync()
         keys = self.keys(request)
@@ -436,7 +458,7 @@ class KvRouter(_CountingRouter):
         slot = self._pinned_slot(request)
         reason = "pinned"
         if slot is None:
-            slot, reason = self._choose(cached, prompt_tokens, hashes)
+            slot, reason = self._choose(cached, prompt_tokens, hashes, full)
         if self.predicted is not None:
             self.predicted.record(slot, hashes)
         if self.recent is not None:
@@ -462,7 +484,13 @@ class KvRouter(_CountingRouter):
         limit = prompt_tokens - 1
         return [min(int(b * block), limit) for b in blocks]
 
-    def _choose(self, cached: list[int], prompt_tokens: int, hashes: list[int]) -> tuple[int, str]:
+    def _choose(
+        self,
+        cached: list[int],
+        prompt_tokens: int,
+        hashes: list[int],
+        full: AbstractSet[int] = frozenset(),
+    ) -> tuple[int, str]:
         load = self.load
         wp, wd = self.config.prefill_weight, self.config.decode_weight
         costs = [
@@ -474,7 +502,7 @@ class KvRouter(_CountingRouter):
             wr = self.config.recent_weight
             for slot, tokens in enumerate(self.recent.current()):
                 costs[slot] += wr * tokens
-        room = self._with_room()
+        room = self._with_room(full)
         least = min(load.in_flight[slot] for slot in room)
         ceiling = least + self.config.hot_spill_requests
         eligible = [slot for slot in room if load.in_flight[slot] <= ceiling]

@@ -1,120 +1,213 @@
-"""Admission control on its own: limits from capacity, priority order, deadlines, cancelled
-waiters, shutdown, and no bookkeeping left behind."""
+"""Admission per DP rank through HTTP, against the mock engine (DP=2, one slot per rank): a
+rank's slots are its own, unpinned requests fill every rank before any waits, a waiter runs on
+the rank that frees, pinned waiters wait for their own rank only, and every path gives its
+slot back."""
 
 from __future__ import annotations
 
-import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
-from app.admission import Admission, AdmissionConfig, Permit
-from app.errors import ApiError
-from sidecar.types import RankCapacity
-from tests.app.scripted import scripted_info
-from tests.conftest import TINY_TOKENIZER
+from sidecar.admission import GROUP, AdmissionConfig
+from tests.chaos.harness import (
+    Gateway,
+    assert_clean,
+    chat,
+    eventually,
+    gateway,
+    mock_engine,
+    raw_stream_request,
+    refuse_on_rank,
+)
 
-INFO = scripted_info(TINY_TOKENIZER)  # two ranks, max_running_requests 8 each
+pytestmark = pytest.mark.timeout(90)
 
-
-def test_limit_from_capacity_and_workers() -> None:
-    assert AdmissionConfig().limit(INFO) == 32
-    assert AdmissionConfig(per_rank=3).limit(INFO) == 6
-    assert AdmissionConfig().limit(INFO, workers=3) == 11
-    bigger = INFO.__class__(
-        **{
-            **{f: getattr(INFO, f) for f in INFO.__struct_fields__},
-            "capacity": (RankCapacity(0, 10, 100), RankCapacity(1, 10, 50)),
-        }
-    )
-    assert AdmissionConfig().limit(bigger) == 300
+ROUTE = "x-rankgate-route"
+ONE_SLOT = AdmissionConfig(per_rank=1, queue=8, timeout=20)
 
 
-async def test_priority_then_arrival_order() -> None:
-    admission = Admission(AdmissionConfig(per_rank=1, queue=10, timeout=5))
-    held = [await admission.acquire(INFO, 1) for _ in range(2)]
-    order: list[str] = []
+class Holder:
+    """A long stream that holds one slot (on ``rank`` when given) until it is closed; ``rank``
+    is where the gateway says it routed it."""
 
-    async def wait(name: str, priority: int) -> Permit:
-        permit = await admission.acquire(INFO, 1, priority)
-        order.append(name)
-        return permit
+    def __init__(self, gw: Gateway, name: str, rank: int | None = None, n: int = 1) -> None:
+        body = chat(name, max_tokens=5000, n=n)
+        if rank is not None:
+            body["data_parallel_rank"] = rank
+        self.sock = raw_stream_request(gw.port, body)
+        buffer = b""
+        while buffer.count(b"data: ") < 2:
+            chunk = self.sock.recv(65536)
+            assert chunk, "the gateway closed the stream early"
+            buffer += chunk
+        head = buffer.split(b"\r\n\r\n", 1)[0].decode().lower()
+        route = next(line for line in head.split("\r\n") if line.startswith(ROUTE))
+        self.rank = route_rank(route.split(":", 1)[1].strip())
 
-    tasks = []
-    for name, priority in (("late", 5), ("first", -1), ("second", 0), ("third", 0)):
-        tasks.append(asyncio.create_task(wait(name, priority)))
-        await asyncio.sleep(0)
-    assert admission.waiting == 4
-    for permit in held:
-        permit.release()
-        permit.release()  # idempotent
-    await asyncio.sleep(0)
-    assert order == ["first", "second"]
-    for task in tasks[1:3]:
-        (await task).release()
-    await asyncio.sleep(0)
-    assert order == ["first", "second", "third", "late"]
-    for task in (tasks[0], tasks[3]):
-        (await task).release()
-    assert (admission.in_use, admission.waiting) == (0, 0)
+    def close(self) -> None:
+        self.sock.close()
 
 
-async def test_full_queue_and_deadline_are_429() -> None:
-    admission = Admission(AdmissionConfig(per_rank=1, queue=1, timeout=0.05, retry_after=2))
-    held = [await admission.acquire(INFO, 1) for _ in range(2)]
-    waiter = asyncio.create_task(admission.acquire(INFO, 1))
-    await asyncio.sleep(0)
-    with pytest.raises(ApiError) as full:
-        await admission.acquire(INFO, 1)
-    assert full.value.status == 429
-    assert full.value.headers() == {"Retry-After": "2"}
-    with pytest.raises(ApiError) as late:
-        await waiter
-    assert late.value.status == 429
-    assert "0.05" in late.value.message
-    for permit in held:
-        permit.release()
-    assert (admission.in_use, admission.waiting) == (0, 0)
+def hold(gw: Gateway, name: str, rank: int | None = None) -> Holder:
+    return Holder(gw, name, rank)
 
 
-async def test_cancelled_waiters_leave_nothing_and_the_heap_stays_bounded() -> None:
-    admission = Admission(AdmissionConfig(per_rank=1, queue=50, timeout=5))
-    held = [await admission.acquire(INFO, 1) for _ in range(2)]
-    for _ in range(20):
-        tasks = [asyncio.create_task(admission.acquire(INFO, 1)) for _ in range(40)]
-        await asyncio.sleep(0)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert admission.waiting == 0
-    assert len(admission._heap) <= 2 * 64 + 40
-    for permit in held:
-        permit.release()
-    assert admission.in_use == 0
+def route_rank(value: str) -> int | None:
+    rank = dict(part.split("=", 1) for part in value.split(";"))["rank"]
+    return None if rank == "none" else int(rank)
 
 
-async def test_weight_is_clamped_and_heavy_requests_wait_their_turn() -> None:
-    admission = Admission(AdmissionConfig(per_rank=2, queue=4, timeout=5))
-    big = await admission.acquire(INFO, 99)
-    assert big.weight == 4
-    small = asyncio.create_task(admission.acquire(INFO, 1))
-    await asyncio.sleep(0)
-    assert admission.waiting == 1
-    big.release()
-    (await small).release()
-    assert admission.in_use == 0
+def used(gw: Gateway) -> dict[int, int]:
+    return dict(gw.admission.used)
 
 
-async def test_close_refuses_waiters_and_newcomers_with_503() -> None:
-    admission = Admission(AdmissionConfig(per_rank=1, queue=4, timeout=5))
-    held = [await admission.acquire(INFO, 1) for _ in range(2)]
-    waiter = asyncio.create_task(admission.acquire(INFO, 1))
-    await asyncio.sleep(0)
-    admission.close()
-    with pytest.raises(ApiError) as refused:
-        await waiter
-    assert refused.value.status == 503
-    with pytest.raises(ApiError):
-        await admission.acquire(INFO, 1)
-    for permit in held:
-        permit.release()
-    assert (admission.in_use, admission.waiting) == (0, 0)
+def routed_rank(response: httpx.Response) -> int | None:
+    assert response.status_code == 200, response.text
+    return route_rank(response.headers[ROUTE])
+
+
+def test_pinned_requests_queue_for_their_rank_while_the_other_rank_serves_at_once() -> None:
+    config = AdmissionConfig(per_rank=1, queue=4, timeout=1.5, retry_after=3)
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=config) as gw:
+        holder = hold(gw, "hold rank 0", rank=0)
+        assert used(gw) == {0: 1, 1: 0}
+        with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=gw.url, timeout=30) as other:
+            began = time.monotonic()
+            queued = pool.submit(
+                other.post,
+                "/v1/chat/completions",
+                json=chat("pinned 0", max_tokens=2, data_parallel_rank=0),
+            )
+            eventually(lambda: gw.admission.waiting == 1, 5, "the rank-0 request waits")
+            # Rank 1 has its slot free: pinned and unpinned requests go at once, several times.
+            for body in (
+                chat("pinned 1", max_tokens=2, data_parallel_rank=1),
+                chat("free", max_tokens=2),
+            ):
+                quick = time.monotonic()
+                response = gw.http.post("/v1/chat/completions", json=body)
+                assert routed_rank(response) == 1
+                assert time.monotonic() - quick < 1.0
+            assert gw.admission.waiting == 1
+            late = queued.result(10)
+            assert late.status_code == 429
+            assert late.json()["error"]["type"] == "rate_limit_error"
+            assert late.json()["error"]["code"] == "gateway_overloaded"
+            assert late.headers["retry-after"] == "3"
+            assert 1.3 < time.monotonic() - began < 5
+        holder.close()
+        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        assert_clean(handle, gw)
+
+
+def test_unpinned_requests_fill_every_rank_before_any_waits_then_run_where_a_slot_frees() -> None:
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=ONE_SLOT) as gw:
+        # The same prompt twice: KV affinity alone would send both to one rank.
+        first = hold(gw, "the same conversation")
+        second = hold(gw, "the same conversation")
+        assert used(gw) == {0: 1, 1: 1}
+        assert gw.admission.waiting == 0
+        with ThreadPoolExecutor(1) as pool:
+            waiter = pool.submit(
+                gw.http.post, "/v1/chat/completions", json=chat("waiter", max_tokens=2)
+            )
+            eventually(lambda: gw.admission.waiting == 1, 5, "the third request waits")
+            assert {first.rank, second.rank} == {0, 1}
+            second.close()
+            # The freed rank is the only one with room: the waiter is routed there afresh.
+            assert routed_rank(waiter.result(10)) == second.rank
+        first.close()
+        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        assert_clean(handle, gw)
+
+
+def test_a_queued_pinned_request_that_hangs_up_leaves_nothing() -> None:
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=ONE_SLOT) as gw:
+        holder = hold(gw, "hold", rank=1)
+        received = sum(s.requests_received for s in handle.all_stats().values())
+        body = chat("queued", max_tokens=5, data_parallel_rank=1)
+        queued = raw_stream_request(gw.port, body)
+        eventually(lambda: gw.admission.waiting == 1, 5, "the pinned request waits")
+        queued.close()
+        eventually(lambda: gw.admission.waiting == 0, 1, "it leaves the queue at once")
+        assert sum(s.requests_received for s in handle.all_stats().values()) == received
+        holder.close()
+        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        assert_clean(handle, gw)
+
+
+def test_each_choice_of_n_holds_a_slot_on_its_rank() -> None:
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=ONE_SLOT) as gw:
+        both = Holder(gw, "two choices", n=2)
+        assert used(gw) == {0: 1, 1: 1}
+        # No slot is left anywhere: a third stream waits.
+        with ThreadPoolExecutor(1) as pool:
+            waiter = pool.submit(gw.http.post, "/v1/completions", json=completion("after"))
+            eventually(lambda: gw.admission.waiting == 1, 5, "the next request waits")
+            both.close()
+            assert waiter.result(10).status_code == 200
+        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        assert_clean(handle, gw)
+
+
+def completion(prompt: str) -> dict[str, object]:
+    return {"model": chat()["model"], "prompt": prompt, "max_tokens": 2}
+
+
+def test_the_engine_policy_admits_against_the_whole_group() -> None:
+    with (
+        mock_engine(speed=1.0) as handle,
+        gateway(handle, admission=ONE_SLOT, policy="engine") as gw,
+    ):
+        assert gw.admission.limit == {GROUP: 2}
+        holders = [hold(gw, f"hold {i}") for i in range(2)]
+        with ThreadPoolExecutor(1) as pool:
+            waiter = pool.submit(gw.http.post, "/v1/chat/completions", json=chat(max_tokens=2))
+            eventually(lambda: gw.admission.waiting == 1, 5, "a third request waits")
+            holders[0].close()
+            assert waiter.result(10).status_code == 200
+        holders[1].close()
+        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        assert_clean(handle, gw)
+
+
+def test_slots_return_to_zero_after_a_burst_with_hang_ups_and_retries() -> None:
+    config = AdmissionConfig(per_rank=2, queue=64, timeout=20)
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=config) as gw:
+        engine = gw.app.state.gateway.engine
+        # A refusal retried: rank 1 busier, so rank 0 is chosen; it refuses, rank 1 has a slot.
+        holder = hold(gw, "busy", rank=1)
+        refuse_on_rank(handle, 0, 1)
+        retried = gw.http.post("/v1/chat/completions", json=chat("retried", max_tokens=3))
+        assert routed_rank(retried) == 1
+        assert engine.retries == 1
+        assert used(gw) == {0: 0, 1: 1}
+        holder.close()
+        # Then a burst where rank 0 refuses again: each refusal is retried on rank 1 when it
+        # has a slot, or answered 429 when it has none.
+        refuse_on_rank(handle, 0, 6)
+        with ThreadPoolExecutor(8) as pool, httpx.Client(base_url=gw.url, timeout=30) as other:
+            bodies = [chat(f"burst {i}", max_tokens=3, n=1 + i % 2) for i in range(16)]
+            pending = [pool.submit(other.post, "/v1/chat/completions", json=b) for b in bodies]
+            # Clients that leave: some while queued, some mid-stream, some before sending.
+            hang_ups = [
+                raw_stream_request(gw.port, chat(f"leaving {i}", max_tokens=5000)) for i in range(6)
+            ]
+            time.sleep(0.3)
+            for sock in hang_ups:
+                sock.close()
+            results = [future.result(30) for future in pending]
+        statuses = {response.status_code for response in results}
+        assert statuses <= {200, 429}, [r.text for r in results]
+        assert 200 in statuses
+        eventually(lambda: gw.admission.in_use == 0, 5, "every slot returned")
+        assert gw.admission.waiting == 0
+        assert gw.admission.free == 4
+        assert not gw.admission.full
+        metrics = gw.http.get("/metrics").text
+        assert 'rankgate_admission_in_use{rank="0"} 0.0' in metrics
+        assert 'rankgate_admission_slots{rank="1"} 2.0' in metrics
+        assert_clean(handle, gw)

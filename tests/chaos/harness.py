@@ -19,6 +19,7 @@ from app.server import create_app
 from app.settings import GatewaySettings
 from mocker.config import MockEngineConfig
 from mocker.testing import MockEngineHandle, running_mock_engine
+from sidecar.admission import Admission
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.ports import free_port, free_port_range
@@ -68,6 +69,11 @@ class Gateway:
     def in_flight(self) -> dict[int, int]:
         counts: dict[int, int] = self.app.state.gateway.engine.in_flight()
         return counts
+
+    @property
+    def admission(self) -> Admission:
+        admission: Admission = self.app.state.gateway.engine.admission
+        return admission
 
 
 @contextmanager

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from app.admission import AdmissionConfig
 from mocker.testing import MockEngineHandle
+from sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
     chat,
@@ -66,7 +66,7 @@ def test_a_hang_up_mid_stream_aborts_the_engine_request_within_100ms() -> None:
 def test_a_hang_up_before_the_first_token_and_while_queued_leaves_nothing_behind() -> None:
     tight = AdmissionConfig(per_rank=1, queue=8, timeout=20)
     with mock_engine(speed=1.0) as handle, gateway(handle, admission=tight) as gw:
-        admission = gw.app.state.admission
+        admission = gw.admission
         holders = [
             raw_stream_request(gw.port, chat(f"holder {i}", max_tokens=5000)) for i in range(2)
         ]

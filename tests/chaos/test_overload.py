@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.admission import AdmissionConfig
+from sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
     chat,
@@ -26,15 +26,15 @@ pytestmark = pytest.mark.timeout(90)
 def test_limit_comes_from_discovered_capacity() -> None:
     with mock_engine(speed=0.0, max_running_requests=3) as handle, gateway(handle) as gw:
         assert gw.http.post("/v1/chat/completions", json=chat(max_tokens=1)).is_success
-        # DP=2 ranks x 2 x max_running_requests 3.
-        assert gw.app.state.admission.limit == 12
+        # Each of the DP=2 ranks: 2 x max_running_requests 3.
+        assert gw.admission.limit == {0: 6, 1: 6}
         assert_clean(handle, gw)
 
 
 def test_queue_full_and_deadline_are_429_with_retry_after() -> None:
     config = AdmissionConfig(per_rank=1, queue=2, timeout=1.5)
     with mock_engine(speed=1.0) as handle, gateway(handle, admission=config) as gw:
-        admission = gw.app.state.admission
+        admission = gw.admission
         holders = [raw_stream_request(gw.port, chat(f"hold {i}", max_tokens=5000)) for i in (0, 1)]
         for sock in holders:
             read_events(sock, 2)
@@ -72,7 +72,7 @@ def test_queue_full_and_deadline_are_429_with_retry_after() -> None:
 def test_priority_order_is_what_the_engine_sees() -> None:
     config = AdmissionConfig(per_rank=1, queue=8, timeout=20)
     with mock_engine(speed=1.0, dp_size=1) as handle, gateway(handle, admission=config) as gw:
-        admission = gw.app.state.admission
+        admission = gw.admission
         holder = raw_stream_request(gw.port, chat("hold", max_tokens=5000))
         read_events(holder, 2)
         with ThreadPoolExecutor(4) as pool:

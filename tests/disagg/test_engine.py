@@ -216,6 +216,44 @@ async def test_a_hundred_random_cancellations_strand_and_leak_nothing() -> None:
             assert decode.aborts > 0
 
 
+async def test_each_side_holds_an_admission_slot_only_while_its_phase_runs() -> None:
+    """A prefill slot while the prefill runs, a decode slot until the decode ends (through
+    the hand-off drain after a client left); every slot back on both sides afterwards."""
+    rng = random.Random(10)
+    with engine_pair(decode={"kv_transfer_seconds": 0.5}) as pair:
+        prefill, decode = sidecar(pair.prefill.target), sidecar(pair.decode.target)
+        engine = DisaggregatedEngine(prefill, decode)
+        await engine.start()
+        try:
+            assert engine.admission is decode.admission
+            task = asyncio.ensure_future(consume(engine.generate(prepared("h")), []))
+            await eventually(lambda: pair.totals("decode").transferring == 1)
+            assert (prefill.admission.in_use, decode.admission.in_use) == (0, 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The client left; the hand-off drain still holds the decode's slot.
+            assert decode.admission.in_use == 1
+            await eventually(lambda: decode.admission.in_use == 0)
+
+            async def one(i: int) -> None:
+                task = asyncio.ensure_future(
+                    consume(engine.generate(prepared(f"a{i}", 20 + i % 30, 20, n=1 + i % 2)), [])
+                )
+                await asyncio.sleep(rng.uniform(0.0, 0.8))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            await asyncio.gather(*(one(i) for i in range(30)))
+            await eventually(pair.idle, within=20)
+            await eventually(lambda: prefill.admission.in_use + decode.admission.in_use == 0)
+            assert (prefill.admission.waiting, decode.admission.waiting) == (0, 0)
+            assert_clean(pair)
+        finally:
+            await engine.close()
+
+
 async def test_startup_refuses_engines_serving_different_models() -> None:
     with (
         running_mock_engine(engine_config("prefill", model="model-a")) as prefill,

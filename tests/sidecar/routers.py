@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from sidecar.routing.base import RouteDecision
@@ -38,7 +39,9 @@ class FixedRouter:
     def configure(self, info: EngineInfo) -> None:
         self.configured.append(info)
 
-    def route(self, request: PreparedRequest, choice: int = 0) -> Ticket:
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> Ticket:
         ticket = Ticket(RouteDecision(rank=self.rank, policy="fixed"))
         self.tickets.append(ticket)
         return ticket
