@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import inspect
 import logging
@@ -222,7 +223,10 @@ class ServicerContext:
             if name[0] == ":" or name in _NOT_METADATA:
                 continue
             if name.endswith("-bin"):
-                metadata.append((name, base64.b64decode(value + "=" * (-len(value) % 4))))
+                try:
+                    metadata.append((name, base64.b64decode(value + "=" * (-len(value) % 4))))
+                except binascii.Error:
+                    continue
             else:
                 metadata.append((name, value))
         return tuple(metadata)

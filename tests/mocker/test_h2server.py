@@ -124,6 +124,19 @@ def split_messages(data: bytes) -> list[bytes]:
     return out
 
 
+def data_until_quiet(raw: RawClient, quiet_s: float) -> bytes:
+    """DATA payloads (each within the default frame size) until the server goes quiet."""
+    received = b""
+    while True:
+        try:
+            kind, _, _, payload = raw.read_frame(timeout=quiet_s)
+        except TimeoutError:
+            return received
+        if kind == DATA:
+            assert len(payload) <= 16_384
+            received += payload
+
+
 def generate_request(tokens: int, request_id: str | None = None, **fields: Any) -> bytes:
     req = request(prompt(11, 24), max_new_tokens=tokens, request_id=request_id, **fields)
     return bytes(req.SerializeToString())
@@ -451,3 +464,33 @@ def test_bad_preface_gets_goaway(inloop: MockEngineHandle) -> None:
         assert len(c.stream(request(prompt(3, 8), max_new_tokens=2))) == 3
     finally:
         c.close()
+
+
+def test_connection_window_and_frame_size_bound_a_large_reply(inloop: MockEngineHandle) -> None:
+    raw = RawClient(inloop.target, {0x4: 1 << 20})
+    try:
+        shape = inference_pb2.ResponseOptions(prompt_token_ids=True, prompt_logprobs=True)
+        req = request(prompt(12, 20_000), max_new_tokens=1, response=shape)
+        raw.send(frame(HEADERS, END_HEADERS, 1, raw.headers("/vllm.Inference/Generate")))
+        body = message(req.SerializeToString())
+        for at in range(0, len(body), 16_384):
+            last = at + 16_384 >= len(body)
+            raw.send(frame(DATA, END_STREAM if last else 0, 1, body[at : at + 16_384]))
+        received = data_until_quiet(raw, 0.5)
+        # Nothing beyond the connection's initial window until the client opens it.
+        assert len(received) == 65_535
+        raw.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 1 << 24)))
+        trailers: dict[str, str] = {}
+        while not trailers:
+            kind, flags, _, payload = raw.read_frame()
+            if kind == DATA:
+                assert len(payload) <= 16_384
+                received += payload
+            elif kind == HEADERS and flags & END_STREAM:
+                trailers = raw.decode(payload)
+        assert trailers["grpc-status"] == "0"
+        (reply,) = split_messages(received)
+        info = inference_pb2.GenerateResponse.FromString(reply).prompt_info
+        assert len(info.token_ids) == 20_000
+    finally:
+        raw.close()
