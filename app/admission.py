@@ -27,12 +27,13 @@ class AdmissionCollector(Collector):
         )
         in_use = GaugeMetricFamily(
             "rankgate_admission_in_use",
-            "Admission slots held by engine streams (or reserved for a waiter), per rank.",
+            "Admission slots held by this process's engine streams (or reserved for a waiter), "
+            "per rank.",
             labels=["rank"],
         )
         waiting = GaugeMetricFamily(
             "rankgate_admission_waiting",
-            "Requests waiting for an admission slot, per rank they wait for.",
+            "Requests waiting in this process for an admission slot, per rank they wait for.",
             labels=["rank"],
         )
         refused = CounterMetricFamily(
