@@ -57,6 +57,22 @@ async def test_engine_process_gone_and_back(fake: FakeServer, start_sidecar: Sta
     assert len(await collect(sidecar.generate(request()))) == 3
 
 
+async def test_admission_is_resized_when_a_restart_changes_capacity(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar()
+    assert sidecar.admission.limit == {0: 16, 1: 16}
+    port = fake.port
+    await fake.stop()
+    await eventually(lambda: not sidecar.ready)
+    fake.fake.server = server_info(instance_id="fake-2", max_running_requests=3)
+    await fake.start(port)
+    await eventually(lambda: sidecar.ready)
+    assert sidecar.admission.limit == {0: 6, 1: 6}
+    assert len(await collect(sidecar.generate(request()))) == 3
+    assert sidecar.admission.in_use == 0
+
+
 async def test_changed_model_after_restart_is_refused_loudly(
     fake: FakeServer, start_sidecar: StartSidecar, caplog: pytest.LogCaptureFixture
 ) -> None:
