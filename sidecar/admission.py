@@ -231,6 +231,7 @@ class Admission:
             if future.cancelled():
                 self.waiting -= 1
                 self._stale += 1
+                self._tidy(key)
                 if self._stale > _REBUILD_AT and self._stale * 2 > self.waiting + self._stale:
                     self._compact()
             if isinstance(exc, TimeoutError):
@@ -294,6 +295,7 @@ class Admission:
                 return
             heapq.heappop(best_heap)
             waiter = best[2]
+            self._tidy(waiter.key)
             if waiter.key is None:
                 self._reserve_anywhere(waiter)
             else:
@@ -321,6 +323,16 @@ class Admission:
                 self.free += 1
                 self.full.discard(key)
         waiter.holds.clear()
+
+    def _tidy(self, key: int | None) -> None:
+        """Drop the cancelled waiters at the front of ``key``'s queue, and the queue itself
+        once nobody is left in it, so the next request there takes the fast path again."""
+        if key is None:
+            self._head(self._anywhere)
+            return
+        heap = self._pinned.get(key)
+        if heap is not None and self._head(heap) is None:
+            del self._pinned[key]
 
     def _head(self, heap: list[_Entry]) -> _Entry | None:
         while heap:

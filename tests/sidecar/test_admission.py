@@ -175,6 +175,32 @@ async def test_cancelled_waiters_leave_nothing_and_the_heaps_stay_bounded() -> N
     assert settled(gate) == (0, 0, 2)
 
 
+async def test_the_fast_path_returns_once_the_waiters_are_gone() -> None:
+    gate = admission()
+    gate.take(0)
+    gate.take(1)
+    waiters = [asyncio.create_task(gate.wait(key, 1, 0)) for key in (0, None)]
+    await turn()
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    gate.give(0)
+    assert gate.fits(0, 1)
+    assert gate.fits(None, 1)
+    # A waiter granted and gone leaves no queue behind either.
+    gate.take(0)
+    granted = asyncio.create_task(gate.wait(0, 1, 0))
+    await turn()
+    gate.give(0)
+    await granted
+    gate.take(0)
+    gate.give(0)
+    assert gate.fits(0, 1)
+    assert not gate._pinned
+    gate.give(1)
+    assert settled(gate) == (0, 0, 2)
+
+
 async def test_a_granted_waiter_cancelled_before_it_runs_hands_its_slot_on() -> None:
     gate = admission()
     gate.take(0)
