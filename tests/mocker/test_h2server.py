@@ -7,18 +7,21 @@ pieces, RST_STREAM, PING, a bad preface, a server-side deadline.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import hpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 
+from mocker.h2server import H2Server
 from mocker.testing import MockEngineHandle
 from sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
@@ -109,6 +112,15 @@ class RawClient:
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return FRAME.pack(len(payload) >> 8, len(payload) & 0xFF, kind, flags, stream_id) + payload
+
+
+def frame_kinds(data: bytes) -> list[int]:
+    kinds = []
+    while len(data) >= 9:
+        hi, lo, kind, _, _ = FRAME.unpack_from(data)
+        kinds.append(kind)
+        data = data[9 + ((hi << 8) | lo) :]
+    return kinds
 
 
 def message(payload: bytes) -> bytes:
@@ -452,12 +464,7 @@ def test_bad_preface_gets_goaway(inloop: MockEngineHandle) -> None:
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
-        kinds = []
-        while len(data) >= 9:
-            hi, lo, kind, _, _ = FRAME.unpack_from(data)
-            kinds.append(kind)
-            data = data[9 + ((hi << 8) | lo) :]
-        assert kinds[-1] == GOAWAY
+        assert frame_kinds(data)[-1] == GOAWAY
     # The server is unharmed.
     c = Client(inloop.target)
     try:
@@ -494,3 +501,65 @@ def test_connection_window_and_frame_size_bound_a_large_reply(inloop: MockEngine
         assert len(info.token_ids) == 20_000
     finally:
         raw.close()
+
+
+async def _read_frames(
+    reader: asyncio.StreamReader, until: Callable[[int, int, int, bytes], bool]
+) -> None:
+    while True:
+        head = await asyncio.wait_for(reader.readexactly(9), 5)
+        hi, lo, kind, flags, stream_id = FRAME.unpack(head)
+        payload = await reader.readexactly((hi << 8) | lo)
+        if until(kind, flags, stream_id & 0x7FFFFFFF, payload):
+            return
+
+
+async def test_streams_over_the_advertised_limit_are_refused() -> None:
+    server = H2Server(max_message=1 << 20, max_concurrent_streams=2)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    encoder = hpack.Encoder()
+    watch = message(health_pb2.HealthCheckRequest(service="").SerializeToString())
+    fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/grpc.health.v1.Health/Watch"),
+        (":authority", "mock"),
+        ("content-type", "application/grpc"),
+    ]
+    out = PREFACE + frame(SETTINGS, 0, 0)
+    for stream_id in (1, 3, 5):
+        out += frame(HEADERS, END_HEADERS, stream_id, encoder.encode(fields))
+        out += frame(DATA, END_STREAM, stream_id, watch)
+    writer.write(out)
+    settings: dict[int, int] = {}
+    answered: set[int] = set()
+    refused: list[tuple[int, int]] = []
+
+    def seen(kind: int, flags: int, stream_id: int, payload: bytes) -> bool:
+        if kind == SETTINGS and not flags & ACK:
+            settings.update(
+                struct.unpack_from(">HL", payload, at) for at in range(0, len(payload), 6)
+            )
+        elif kind == DATA:
+            answered.add(stream_id)
+        elif kind == RST_STREAM:
+            refused.append((stream_id, struct.unpack(">L", payload)[0]))
+        return len(answered) == 2 and bool(refused)
+
+    try:
+        await _read_frames(reader, seen)
+        assert settings[0x3] == 2
+        assert answered == {1, 3}
+        assert refused == [(5, 0x7)]  # REFUSED_STREAM: the client may retry it elsewhere
+        # Stopping without grace ends the open watches and closes the connection.
+        await asyncio.wait_for(server.stop(None), 5)
+        await asyncio.wait_for(server.wait_for_termination(), 1)
+        rest = await asyncio.wait_for(reader.read(), 5)
+        assert reader.at_eof()
+        assert GOAWAY in frame_kinds(rest)
+    finally:
+        writer.close()
+        await server.stop(None)
