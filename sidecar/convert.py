@@ -269,6 +269,34 @@ def _ints_as_strings(value: Any) -> Any:
     return value
 
 
+def merge_response(into: pb.GenerateResponse, more: pb.GenerateResponse) -> bool:
+    """Append ``more``'s output to ``into`` (True) when that loses nothing: same sequence,
+    ``into`` not finished, ``more`` not a stream's first message, and no logprobs on either
+    (their per-token lists would need aligning). Text deltas concatenate, as vLLM's own
+    output collector merges the outputs a slow consumer has not taken yet."""
+    out = into.outputs
+    add = more.outputs
+    if (
+        more.HasField("prompt_info")
+        or out.HasField("finish_info")
+        or out.index != add.index
+        or out.logprobs
+        or add.logprobs
+        or out.candidate_tokens
+        or add.candidate_tokens
+        or out.ranks
+        or add.ranks
+    ):
+        return False
+    if add.text:
+        out.text += add.text
+    out.token_ids.extend(add.token_ids)
+    out.num_tokens += add.num_tokens
+    if add.HasField("finish_info"):
+        out.finish_info.CopyFrom(add.finish_info)
+    return True
+
+
 class DeltaDecoder:
     """Turns one engine stream's responses into deltas for choice ``index``.
 

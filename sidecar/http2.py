@@ -62,6 +62,8 @@ KEEPALIVE_S = 30.0
 # How often one request is sent again after the engine refused it unprocessed.
 MAX_TRIES = 5
 KEEPALIVE_TIMEOUT_S = 10.0
+# Messages merged into one read at most: a reader far behind still gets its output in steps.
+MAX_MERGED = 32
 
 _FRAME = struct.Struct(">HBBBL")
 _SETTING = struct.Struct(">HL")
@@ -247,12 +249,14 @@ class Call:
         "_error",
         "_got_headers",
         "_held",
+        "_merge",
         "_messages",
         "_need",
         "_out",
         "_parse",
         "_partial",
         "_partial_size",
+        "_pending",
         "_request",
         "_tries",
         "_waiter",
@@ -260,8 +264,14 @@ class Call:
         "stream_id",
     )
 
-    def __init__(self, parse: Callable[[bytes], Any]) -> None:
+    def __init__(
+        self, parse: Callable[[bytes], Any], merge: Callable[[Any, Any], bool] | None = None
+    ) -> None:
         self._parse = parse
+        # Appends a later message to an earlier one when that loses nothing (True), so a
+        # reader that fell behind takes every message already waiting in one go.
+        self._merge = merge
+        self._pending: Any = None
         self._conn: Connection | None = None
         self.stream_id = 0
         self.send_window = DEFAULT_WINDOW
@@ -285,8 +295,10 @@ class Call:
     # -- consumer side
 
     async def read(self) -> Any:
-        messages = self._messages
-        while not messages:
+        while True:
+            message = self._next()
+            if message is not None:
+                return message
             if self._ended is not None:
                 if self._error is not None:
                     raise self._error
@@ -296,19 +308,42 @@ class Call:
                 await waiter
             finally:
                 self._waiter = None
+
+    def _next(self) -> Any:
+        """The next message, with every message already waiting behind it merged in while
+        ``merge`` accepts them; None when nothing is waiting."""
+        messages = self._messages
+        message = self._pending
+        if message is not None:
+            self._pending = None
+        elif messages:
+            message = self._take(messages)
+        else:
+            return None
+        merge = self._merge
+        if merge is not None:
+            for _ in range(min(len(messages), MAX_MERGED)):
+                more = self._take(messages)
+                if not merge(message, more):
+                    self._pending = more
+                    break
+        self._maybe_credit()
+        return message
+
+    def _take(self, messages: deque[bytes]) -> Any:
         data = messages.popleft()
-        if self._held:
-            self._held -= len(data) + 5
-            self._maybe_credit()
+        self._held -= len(data) + 5
         return self._parse(data)
 
     def __aiter__(self) -> Call:
         return self
 
     async def __anext__(self) -> Any:
-        message = await self.read()
-        if message is EOF:
-            raise StopAsyncIteration
+        message = self._next()
+        if message is None:
+            message = await self.read()
+            if message is EOF:
+                raise StopAsyncIteration
         return message
 
     def cancel(self) -> bool:
@@ -317,6 +352,7 @@ class Call:
             return False
         self._cancelled = True
         self._messages.clear()
+        self._pending = None
         self._finish(asyncio.CancelledError())
         conn = self._conn
         if conn is not None:

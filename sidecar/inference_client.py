@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from sidecar.convert import merge_response
 from sidecar.endpoint import Endpoint
 from sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers, rpc_error
 from sidecar.proto.vllm import inference_pb2
@@ -59,7 +60,9 @@ class InferenceClient:
         return call
 
     def GenerateStream(self, message: Any, metadata: Metadata | None = None) -> Call:
-        call = Call(_PARSE)
+        """Server streaming; a reader that fell behind gets the messages already waiting
+        merged into one where nothing is lost (``convert.merge_response``)."""
+        call = Call(_PARSE, merge_response)
         self._start(call, GENERATE_STREAM, message, metadata)
         return call
 

@@ -12,6 +12,7 @@ from sidecar.convert import (
     decode_transfer_params,
     encode_transfer_params,
     is_decode_handoff,
+    merge_response,
 )
 from sidecar.errors import EngineFailure, InvalidRequest
 from sidecar.proto.vllm import inference_pb2 as pb
@@ -311,3 +312,44 @@ def test_decoder_forwards_kv_transfer_params() -> None:
 def test_finish_without_reason_is_an_engine_failure() -> None:
     with pytest.raises(EngineFailure):
         DeltaDecoder(0, False).feed(response(finish_info=pb.FinishInfo()))
+
+
+def test_merged_responses_decode_like_the_messages_one_by_one() -> None:
+    finish = pb.FinishInfo(finish_reason=pb.FinishInfo.STOP, stop_string="END")
+    finish.num_output_tokens = 3
+    messages = [
+        response(prompt_info=pb.PromptInfo(num_prompt_tokens=5)),
+        response(text="Hel", token_ids=[1], num_tokens=1),
+        response(text="", token_ids=[2], num_tokens=1),
+        response(text="lo", token_ids=[3], num_tokens=1, finish_info=finish),
+    ]
+    merged = pb.GenerateResponse()
+    merged.CopyFrom(messages[0])
+    assert all(merge_response(merged, more) for more in messages[1:])
+    delta = DeltaDecoder(0, False).feed(merged)
+    assert delta is not None
+    assert (delta.text, delta.token_ids, delta.prompt_tokens) == ("Hello", (1, 2, 3), 5)
+    assert (delta.finish_reason, delta.stop_reason, delta.completion_tokens) == ("stop", "END", 3)
+    assert merged.outputs.num_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("into", "more"),
+    [
+        # Nothing follows a finish; a stream's first message starts a new sequence.
+        (
+            response(text="a", finish_info=pb.FinishInfo(finish_reason=pb.FinishInfo.LENGTH)),
+            response(text="b"),
+        ),
+        (response(text="a"), response(prompt_info=pb.PromptInfo(num_prompt_tokens=1))),
+        (response(text="a", index=0), response(text="b", index=1)),
+        # Per-token logprob lists stay with their own message.
+        (response(text="a", token_ids=[1], logprobs=[-1.0]), response(text="b")),
+        (response(text="a"), response(text="b", token_ids=[2], ranks=[1])),
+        (response(text="a"), response(candidate_tokens=[pb.CandidateTokenInfo()])),
+    ],
+)
+def test_responses_that_cannot_merge_are_left_alone(into: Any, more: Any) -> None:
+    before = into.SerializeToString()
+    assert merge_response(into, more) is False
+    assert into.SerializeToString() == before

@@ -20,6 +20,7 @@ import hpack
 import pytest
 
 from sidecar import http2
+from sidecar.convert import merge_response
 from sidecar.endpoint import parse_endpoint
 from sidecar.inference_client import InferenceClient
 from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
@@ -119,6 +120,10 @@ async def _all(call: Any) -> list[Any]:
     return [message async for message in call]
 
 
+def _tokens(messages: list[Any]) -> list[int]:
+    return [token for message in messages for token in message.outputs.token_ids]
+
+
 async def test_unary_and_stream_replies() -> None:
     async with _grpc_server() as (_, client):
         reply = await client.Generate(_request(prompt=7, tokens=5))
@@ -126,7 +131,8 @@ async def test_unary_and_stream_replies() -> None:
         assert reply.outputs.text == "xxxxx"
         messages = await _all(client.GenerateStream(_request(tokens=4)))
         assert messages[0].HasField("prompt_info")
-        assert [m.outputs.text for m in messages[1:]] == ["t0", "t1", "t2", "t3"]
+        assert "".join(m.outputs.text for m in messages) == "t0t1t2t3"
+        assert _tokens(messages) == [0, 1, 2, 3]
         call = client.GenerateStream(_request(tokens=1))
         await _all(call)
         assert await call.read() is grpc.aio.EOF
@@ -145,7 +151,8 @@ async def test_hundreds_of_concurrent_streams_on_one_connection() -> None:
     async with _grpc_server() as (_, client):
         calls = [client.GenerateStream(_request(f"c{i}", tokens=20)) for i in range(300)]
         results = await asyncio.gather(*(_all(c) for c in calls))
-        assert all(len(r) == 21 for r in results)
+        assert all(_tokens(r) == list(range(20)) for r in results)
+        assert all(r[0].prompt_info.num_prompt_tokens == 4 for r in results)
 
 
 async def test_the_peer_stream_limit_queues_calls() -> None:
@@ -153,7 +160,7 @@ async def test_the_peer_stream_limit_queues_calls() -> None:
         await client.Generate(_request())  # learn the peer's SETTINGS
         calls = [client.GenerateStream(_request(f"slow{i}", tokens=5)) for i in range(12)]
         results = await asyncio.gather(*(_all(c) for c in calls))
-        assert all(len(r) == 6 for r in results)
+        assert all(_tokens(r) == list(range(5)) for r in results)
 
 
 async def test_status_codes_and_escaped_messages() -> None:
@@ -360,7 +367,77 @@ async def test_padding_continuation_and_split_messages() -> None:
 
     async with _peer(script) as (_, client):
         messages = await _all(client.GenerateStream(_request()))
-        assert [m.outputs.token_ids[0] for m in messages] == [7, 7, 7]
+        assert _tokens(messages) == [7, 7, 7]
+        assert "".join(m.outputs.text for m in messages) == "toktoktok"
+
+
+def _message(**fields: Any) -> bytes:
+    prompt = fields.pop("prompt", None)
+    response = inference_pb2.GenerateResponse(outputs=inference_pb2.SequenceOutput(**fields))
+    if prompt is not None:
+        response.prompt_info.num_prompt_tokens = prompt
+    return bytes(response.SerializeToString())
+
+
+async def test_messages_already_waiting_are_merged_into_one() -> None:
+    """A reader that fell behind gets everything waiting at once, nothing lost; messages with
+    logprobs, and anything after a finish, are left whole."""
+    finish = inference_pb2.FinishInfo(finish_reason=inference_pb2.FinishInfo.LENGTH)
+    finish.num_output_tokens = 4
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        if rid == "many":
+            peer.reply(sid, *(_message(text="x", token_ids=[i]) for i in range(40)))
+        elif rid == "plain":
+            peer.reply(
+                sid,
+                _message(prompt=9),
+                *(_message(text=f"t{i}", token_ids=[i], num_tokens=1) for i in range(3)),
+                _message(text="!", token_ids=[3], num_tokens=1, finish_info=finish),
+            )
+        else:
+            peer.reply(
+                sid,
+                _message(text="a", token_ids=[1], logprobs=[-0.5]),
+                _message(text="b", token_ids=[2], logprobs=[-1.5]),
+            )
+
+    async with _peer(script) as (_, client):
+        first = await _all(client.GenerateStream(_request("plain")))
+        assert len(first) == 1
+        far_behind = await _all(client.GenerateStream(_request("many")))
+        assert _tokens(far_behind) == list(range(40))
+        assert all(len(m.outputs.token_ids) <= http2.MAX_MERGED + 1 for m in far_behind)
+        merged = first[0]
+        assert merged.prompt_info.num_prompt_tokens == 9
+        assert list(merged.outputs.token_ids) == [0, 1, 2, 3]
+        assert merged.outputs.text == "t0t1t2!"
+        assert merged.outputs.num_tokens == 4
+        assert merged.outputs.finish_info == finish
+        logprobs = await _all(client.GenerateStream(_request("logprobs")))
+        assert [list(m.outputs.logprobs) for m in logprobs] == [[-0.5], [-1.5]]
+
+
+async def test_one_read_merges_at_most_max_merged_more() -> None:
+    conn = http2.Connection(MAX_MESSAGE, lambda _: None, lambda *_: None)
+    call = http2.Call(inference_pb2.GenerateResponse.FromString, merge_response)
+    call._conn = conn
+    call.on_headers(_OK, end_stream=False)
+    data = b"".join(http2.grpc_message(_message(token_ids=[i])) for i in range(40))
+    call.on_data(data, len(data))
+    call.on_headers([("grpc-status", "0")], end_stream=True)
+    reads = [await call.read() for _ in range(3)]
+    assert [list(m.outputs.token_ids) for m in reads[:2]] == [
+        list(range(http2.MAX_MERGED + 1)),
+        list(range(http2.MAX_MERGED + 1, 40)),
+    ]
+    assert reads[2] is grpc.aio.EOF
+
+
+async def test_a_reader_that_keeps_up_gets_every_message_as_sent() -> None:
+    async with _grpc_server() as (_, client):
+        messages = await _all(client.GenerateStream(_request("slow", tokens=5)))
+        assert [m.outputs.text for m in messages[1:]] == ["t0", "t1", "t2", "t3", "t4"]
 
 
 async def test_trailers_only_and_http_errors() -> None:
@@ -460,9 +537,9 @@ async def test_goaway_moves_untaken_streams_to_a_new_connection() -> None:
         first = client.GenerateStream(_request("first"))
         await asyncio.sleep(0.05)
         second = client.GenerateStream(_request("second"))
-        assert len(await _all(second)) == 2
-        assert len(await _all(first)) == 1
-        assert len(await _all(client.GenerateStream(_request("third")))) == 2
+        assert _tokens(await _all(second)) == [7, 7]
+        assert _tokens(await _all(first)) == [7]
+        assert _tokens(await _all(client.GenerateStream(_request("third")))) == [7, 7]
         assert peer.connections == 2
 
 
