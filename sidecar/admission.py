@@ -5,7 +5,8 @@ Every rank admits its own number of engine streams (by default twice vLLM's
 with ``--workers N`` each process admits ``ceil(slots / N)`` of every rank's slots. The router
 is told which ranks are full and chooses among the others, so a hot prefix or a busy rank can
 never be handed more than its share while another rank has room. The ``engine`` policy, where
-vLLM places requests itself, admits against one pool: the sum of every rank's slots.
+vLLM places requests itself, admits every request (pinned ones too) against one pool: the sum
+of every rank's slots.
 
 When no eligible rank has a slot, a request waits in one bounded queue: an unpinned request
 for a slot anywhere, a pinned one for a slot on its own rank only. A freed slot goes to the
@@ -17,6 +18,7 @@ time. A request that opens ``weight`` streams (OpenAI ``n``) waits until that ma
 free at once, so two such requests cannot each hold half of what both need; a waiter that does
 not fit yet holds up its own queue only. Past the queue's bound, or its deadline, the request
 is refused with :class:`~sidecar.errors.GatewayOverloaded` (HTTP 429 with ``Retry-After``).
+A completions batch sends each prompt as its own request, admitted on its own.
 
 The uncontended path is a comparison on admission and one counter update per stream taken or
 given back; heaps, futures and timers exist only while something waits.
