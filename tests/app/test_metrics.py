@@ -171,3 +171,69 @@ def test_workers_metrics_merge_without_double_counting(tmp_path: Path) -> None:
     # ...and the scraped worker's own live views are added once.
     assert text.count("# TYPE rankgate_engine_ready gauge") == 1
     assert text.count("# TYPE rankgate_http_requests_total counter") == 1
+
+
+Series = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _samples(text: str) -> tuple[dict[str, str], set[Series], dict[Series, float]]:
+    types: dict[str, str] = {}
+    created: set[Series] = set()
+    values: dict[Series, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("rankgate_engine_"):
+            continue  # the engine's live view, not a request metric
+        types[family.name] = family.type
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            if sample.name.endswith("_created"):
+                created.add((sample.name, labels))
+            else:
+                values[(sample.name, labels)] = sample.value
+    return types, created, values
+
+
+def test_one_process_exposes_what_the_client_library_would() -> None:
+    """The plain counters behind ``/metrics`` in one process expose the same families, types,
+    series, buckets and values as prometheus-client's own objects fed the same requests."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from app.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation, _SharedRecorder
+
+    ours = GatewayMetrics(CollectorRegistry())
+    reference_registry = CollectorRegistry()
+    reference = _SharedRecorder(reference_registry)
+    observations = [
+        Observation("chat", 200, "m", 0.5, 0.001, 0.1, 0.01, 7, 5),
+        Observation("chat", 200, "m", 0.005, 0.0001, 0.005, 0.0, 3, 1),
+        Observation("completions", 400, "", 0.0004, 0.0, 0.0, -1.0, 0, 0),
+        Observation("chat", 499, "m", 130.0, 2.0, 100.0, 3.0, 9, 2),
+        *(Observation("chat", 200, f"model-{i}", 0.02, 0.0, 0.0, -1.0, 1, 1) for i in range(600)),
+    ]
+    for done in observations:
+        ours.observe(done)
+        reference.observe(done)
+    ours.in_flight.inc()
+    reference.in_flight.inc()
+    text = ours.exposition()[0].decode()
+    expected = generate_latest(reference_registry).decode()
+    ours_types, ours_created, ours_values = _samples(text)
+    ref_types, ref_created, ref_values = _samples(expected)
+    for name, kind in ref_types.items():
+        assert ours_types[name] == kind
+    assert ours_created == ref_created
+    assert ours_values == ref_values
+
+    def heads(exposition: str) -> set[str]:
+        return {
+            line
+            for line in exposition.splitlines()
+            if line.startswith("# ") and "rankgate_engine_" not in line
+        }
+
+    assert heads(text) == heads(expected)
+    # The series ceiling folds the rest into "other", as before.
+    # Three series came first; the ceiling folds the models past it into "other".
+    assert value(text, "rankgate_http_requests_total", model="other") == (
+        600 + 3 - MAX_REQUEST_SERIES
+    )
