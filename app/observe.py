@@ -9,7 +9,7 @@ costs two clock reads and a few attribute stores.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from time import perf_counter
 
 from starlette.requests import Request
@@ -92,33 +92,42 @@ class RequestRecord:
 
 
 class Tracked:
-    """The engine's delta stream, unchanged, with its timings and counts noted on the record."""
+    """The engine's delta stream, unchanged, with its timings and counts noted on the record.
 
-    __slots__ = ("_inner", "_record")
+    ``async for`` runs straight on one async generator: an item costs a generator resume
+    rather than a new coroutine per ``__anext__`` call.
+    """
+
+    __slots__ = ("_inner", "_record", "_steps")
 
     def __init__(self, inner: AsyncIterator[Delta], record: RequestRecord) -> None:
         self._inner = inner
         self._record = record
+        self._steps = self._track()
         record.submitted = perf_counter()
 
-    def __aiter__(self) -> Tracked:
-        return self
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._steps
 
-    async def __anext__(self) -> Delta:
-        delta = await self._inner.__anext__()
+    def __anext__(self) -> Awaitable[Delta]:
+        return self._steps.__anext__()
+
+    async def _track(self) -> AsyncGenerator[Delta, None]:
         record = self._record
-        if delta.token_ids:
-            now = perf_counter()
-            if not record.first_token:
-                record.first_token = now
-            record.last_token = now
-        if delta.prompt_tokens is not None:
-            record.on_first_delta(delta)
-        if delta.completion_tokens is not None:
-            record.completion_tokens += delta.completion_tokens
-        return delta
+        async for delta in self._inner:
+            if delta.token_ids:
+                now = perf_counter()
+                if not record.first_token:
+                    record.first_token = now
+                record.last_token = now
+            if delta.prompt_tokens is not None:
+                record.on_first_delta(delta)
+            if delta.completion_tokens is not None:
+                record.completion_tokens += delta.completion_tokens
+            yield delta
 
     async def aclose(self) -> None:
+        await self._steps.aclose()
         await close_stream(self._inner)
 
 

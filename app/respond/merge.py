@@ -39,8 +39,22 @@ class Primed:
             return first
         return await self._rest.__anext__()
 
+    def unwrap(self) -> tuple[Delta | None, AsyncIterator[Delta]]:
+        """The primed delta (if not yielded yet) and the stream after it, for a consumer that
+        iterates the stream itself instead of through this wrapper."""
+        first, self._first = self._first, None
+        return first, self._rest
+
     async def aclose(self) -> None:
         await close_stream(self._rest)
+
+
+def unprimed(stream: AsyncIterator[Delta]) -> tuple[Delta | None, AsyncIterator[Delta]]:
+    """``stream`` as (a delta fetched already, the rest): a :class:`Primed` stream is unwrapped
+    so that each later delta costs one wrapper less."""
+    if isinstance(stream, Primed):
+        return stream.unwrap()
+    return None, stream
 
 
 async def close_stream(stream: AsyncIterator[Any]) -> None:

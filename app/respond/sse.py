@@ -3,23 +3,77 @@
 Unlike a generic streaming response it closes the chunk iterator as soon as the client goes
 away (a failed write), so the engine streams behind it are dropped at once rather than when
 the abandoned generator is garbage-collected.
+
+A :class:`Guarded` stream (what the OpenAI routes send) is run by the response itself: its
+failure event, the closing of its engine streams and its ``on_done`` report happen here, so a
+chunk passes through no generator layer of its own between the encoder and the socket.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.errors import as_api_error
+from app.respond.merge import close_stream
+from sidecar.types import Delta
+
+DONE = b"data: [DONE]\n\n"
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def error_event(exc: Exception) -> tuple[int, bytes]:
+    """The status a failure maps to, and the SSE error event (and ``[DONE]``) that says so."""
+    error = as_api_error(exc)
+    return error.status, b"data: " + error.body() + b"\n\n" + DONE
+
+
+class Guarded:
+    """SSE chunks that end in an error event rather than an exception, with the engine
+    stream behind them always closed and ``on_done`` told the status they ended with (200, or
+    the error's) exactly once, before the response's last byte."""
+
+    __slots__ = ("events", "on_done", "source")
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        source: AsyncIterator[Delta],
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.events = events
+        self.source = source
+        self.on_done = on_done
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """The same stream for any other consumer, as a plain async iterator."""
+        status = 200
+        try:
+            async for chunk in self.events:
+                yield chunk
+        except Exception as exc:
+            status, event = error_event(exc)
+            yield event
+        finally:
+            await self.finish(status)
+
+    async def finish(self, status: int) -> None:
+        await close_stream(self.source)
+        if self.on_done is not None:
+            self.on_done(status)
 
 
 class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, chunks: AsyncIterator[bytes], headers: Mapping[str, str] | None = None
+        self, chunks: AsyncIterable[bytes] | Guarded, headers: Mapping[str, str] | None = None
     ) -> None:
         self.chunks = chunks
         self.status_code = 200
@@ -28,11 +82,14 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks = self.chunks
+        if isinstance(chunks, Guarded):
+            await self._run(chunks, send)
+            return
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(_END)
         except OSError:
             # The client went away; there is nobody left to tell.
             return
@@ -40,3 +97,31 @@ class EventStreamResponse(Response):
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _run(self, guarded: Guarded, send: Send) -> None:
+        events = guarded.events
+        status = 200
+        finished = False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            step = events.__anext__
+            while True:
+                try:
+                    chunk = await step()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    status, chunk = error_event(exc)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finished = True
+            await guarded.finish(status)
+            await send(_END)
+        except OSError:
+            # The client went away; there is nobody left to tell.
+            return
+        finally:
+            if not finished:
+                await close_stream(events)
+                await guarded.finish(status)

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 import orjson
 
-from app.errors import as_api_error
 from app.respond.context import ResponseContext
-from app.respond.merge import close_stream
+from app.respond.merge import unprimed
 from app.respond.parsers import ChoiceParser, Parsed
+from app.respond.sse import DONE, Guarded
 from app.respond.usage import UsageCounter
 from app.schemas.responses import (
     ChatDelta,
@@ -26,7 +26,6 @@ from app.schemas.responses import (
 )
 from sidecar.types import Delta
 
-DONE = b"data: [DONE]\n\n"
 _ENCODER = msgspec.json.Encoder()
 _FINISH = {None: b"null", "stop": b'"stop"', "length": b'"length"', "abort": b'"abort"'}
 _INDEX = [str(i).encode() for i in range(1024)]
@@ -58,7 +57,7 @@ def _head(ctx: ResponseContext, obj: bytes) -> bytes:
 class _Frame:
     """The constant parts of one request's chunks."""
 
-    __slots__ = ("choice", "close", "continuous", "head", "usage_close")
+    __slots__ = ("choice", "close", "continuous", "head", "text_close")
 
     def __init__(self, ctx: ResponseContext, obj: bytes) -> None:
         self.head = _head(ctx, obj)
@@ -66,6 +65,8 @@ class _Frame:
         self.continuous = ctx.continuous_usage
         usage = b',"usage":null' if ctx.include_usage and not ctx.continuous_usage else b""
         self.close = b"]" + usage + b"}\n\n"
+        # The end of a chat delta that carries text only, finish and logprobs null.
+        self.text_close = b'},"logprobs":null,"finish_reason":null}' + self.close
 
     def end(self, usage: UsageCounter) -> bytes:
         if not self.continuous:
@@ -76,31 +77,51 @@ class _Frame:
         return self.head + b'],"usage":' + _ENCODER.encode(usage) + b"}\n\n"
 
 
-async def chat_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-    frame = _Frame(ctx, b"chat.completion.chunk")
-    usage = UsageCounter(ctx)
-    started = [False] * ctx.choices
-    parsers = [ChoiceParser(ctx.plan) for _ in range(ctx.choices)] if ctx.plan.active else None
-    fmt = ctx.logprobs
-    choice = frame.choice
-    async for delta in deltas:
+class _ChatChunks:
+    """One chat stream's chunk encoder: the bytes each delta adds to the stream."""
+
+    __slots__ = ("choice", "fast", "fmt", "frame", "parsers", "prefixes", "started", "usage")
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        self.frame = frame = _Frame(ctx, b"chat.completion.chunk")
+        self.usage = UsageCounter(ctx)
+        self.started = [False] * ctx.choices
+        self.parsers = (
+            [ChoiceParser(ctx.plan) for _ in range(ctx.choices)] if ctx.plan.active else None
+        )
+        self.fmt = ctx.logprobs
+        self.choice = frame.choice
+        # The common delta (text only, no parsing, logprobs or running usage) is its choice's
+        # prefix, the text as JSON and one constant suffix.
+        self.fast = self.parsers is None and self.fmt is None and not frame.continuous
+        self.prefixes: dict[int, bytes] = {}
+
+    def chunk(self, delta: Delta) -> bytes:
+        usage = self.usage
+        frame = self.frame
         usage.add(delta)
         i = delta.index
-        idx = _index(i)
         out = b""
-        if not started[i]:
-            started[i] = True
+        if not self.started[i]:
+            self.started[i] = True
             out = (
-                choice
-                + idx
+                self.choice
+                + _index(i)
                 + b',"delta":{"role":"assistant","content":""},"logprobs":null,'
                 + b'"finish_reason":null}'
                 + frame.end(usage)
             )
+        finish: str | None = delta.finish_reason
+        if self.fast and finish is None and delta.text:
+            prefix = self.prefixes.get(i)
+            if prefix is None:
+                prefix = self.prefixes[i] = self.choice + _index(i) + b',"delta":{"content":'
+            return out + prefix + orjson.dumps(delta.text) + frame.text_close
         logprobs = b"null"
+        fmt = self.fmt
         if fmt is not None and delta.logprobs:
             logprobs = b'{"content":' + _ENCODER.encode(fmt.chat(delta.logprobs)) + b"}"
-        finish: str | None = delta.finish_reason
+        parsers = self.parsers
         if parsers is not None:
             parser = parsers[i]
             parsed = parser.feed(delta.text)
@@ -109,22 +130,18 @@ async def chat_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> Asy
                 finish = parser.finish_reason(finish)
             body = _parsed_delta(parsed)
             if body is None and finish is None and logprobs == b"null":
-                if out:
-                    yield out
-                continue
+                return out
             delta_json = body if body is not None else b"{}"
         elif delta.text:
             delta_json = b'{"content":' + orjson.dumps(delta.text) + b"}"
         elif finish is not None or logprobs != b"null":
             delta_json = b"{}"
         else:
-            if out:
-                yield out
-            continue
-        yield (
+            return out
+        return (
             out
-            + choice
-            + idx
+            + self.choice
+            + _index(i)
             + b',"delta":'
             + delta_json
             + b',"logprobs":'
@@ -134,8 +151,25 @@ async def chat_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> Asy
             + b"}"
             + frame.end(usage)
         )
-    tail = frame.usage_chunk(usage.usage()) if ctx.include_usage else b""
-    yield tail + DONE
+
+    def tail(self, include_usage: bool) -> bytes:
+        head = self.frame.usage_chunk(self.usage.usage()) if include_usage else b""
+        return head + DONE
+
+
+async def chat_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+    chunks = _ChatChunks(ctx)
+    chunk = chunks.chunk
+    first, rest = unprimed(deltas)
+    if first is not None:
+        out = chunk(first)
+        if out:
+            yield out
+    async for delta in rest:
+        out = chunk(delta)
+        if out:
+            yield out
+    yield chunks.tail(ctx.include_usage)
 
 
 def _merge(into: Parsed, more: Parsed) -> None:
@@ -168,26 +202,34 @@ def _parsed_delta(parsed: Parsed) -> bytes | None:
     return _ENCODER.encode(delta)
 
 
-async def completion_events(
-    ctx: ResponseContext, deltas: AsyncIterator[Delta]
-) -> AsyncIterator[bytes]:
-    frame = _Frame(ctx, b"text_completion")
-    usage = UsageCounter(ctx)
-    started = [False] * ctx.choices
-    offsets = [0] * ctx.choices
-    fmt = ctx.logprobs
-    echo = ctx.echo
-    choice = frame.choice
-    async for delta in deltas:
+class _CompletionChunks:
+    """One text-completion stream's chunk encoder."""
+
+    __slots__ = ("choice", "ctx", "fmt", "frame", "offsets", "started", "usage")
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        self.ctx = ctx
+        self.frame = _Frame(ctx, b"text_completion")
+        self.usage = UsageCounter(ctx)
+        self.started = [False] * ctx.choices
+        self.offsets = [0] * ctx.choices
+        self.fmt = ctx.logprobs
+        self.choice = self.frame.choice
+
+    def chunk(self, delta: Delta) -> bytes:
+        usage = self.usage
         usage.add(delta)
         i = delta.index
         text = delta.text
-        if not started[i]:
-            started[i] = True
+        offsets = self.offsets
+        if not self.started[i]:
+            self.started[i] = True
+            echo = self.ctx.echo
             if echo is not None:
-                text = echo[i // ctx.n] + text
+                text = echo[i // self.ctx.n] + text
                 offsets[i] = len(text) - len(delta.text)
         logprobs = b"null"
+        fmt = self.fmt
         if fmt is not None and delta.logprobs:
             lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
             offsets[i] = fmt.completion(
@@ -201,10 +243,10 @@ async def completion_events(
             logprobs = _ENCODER.encode(lp)
         finish = delta.finish_reason
         if not text and finish is None and logprobs == b"null":
-            continue
+            return b""
         stop = b"null" if delta.stop_reason is None else orjson.dumps(delta.stop_reason)
-        yield (
-            choice
+        return (
+            self.choice
             + _index(i)
             + b',"text":'
             + orjson.dumps(text)
@@ -215,30 +257,39 @@ async def completion_events(
             + b',"stop_reason":'
             + stop
             + b"}"
-            + frame.end(usage)
+            + self.frame.end(usage)
         )
-    tail = frame.usage_chunk(usage.usage()) if ctx.include_usage else b""
-    yield tail + DONE
+
+    def tail(self, include_usage: bool) -> bytes:
+        head = self.frame.usage_chunk(self.usage.usage()) if include_usage else b""
+        return head + DONE
 
 
-async def guarded(
+async def completion_events(
+    ctx: ResponseContext, deltas: AsyncIterator[Delta]
+) -> AsyncIterator[bytes]:
+    chunks = _CompletionChunks(ctx)
+    chunk = chunks.chunk
+    first, rest = unprimed(deltas)
+    if first is not None:
+        out = chunk(first)
+        if out:
+            yield out
+    async for delta in rest:
+        out = chunk(delta)
+        if out:
+            yield out
+    yield chunks.tail(ctx.include_usage)
+
+
+def guarded(
     events: AsyncIterator[bytes],
     source: AsyncIterator[Delta],
     on_done: Callable[[int], None] | None = None,
-) -> AsyncIterator[bytes]:
+) -> Guarded:
     """Send a failure as an SSE error event; always drop the engine streams when done.
 
     ``on_done`` gets the status the stream ended with (200, or the error's status).
+    :class:`~app.respond.sse.EventStreamResponse` runs the result without a generator layer.
     """
-    status = 200
-    try:
-        async for chunk in events:
-            yield chunk
-    except Exception as exc:
-        error = as_api_error(exc)
-        status = error.status
-        yield b"data: " + error.body() + b"\n\n" + DONE
-    finally:
-        await close_stream(source)
-        if on_done is not None:
-            on_done(status)
+    return Guarded(events, source, on_done)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -237,3 +238,27 @@ def test_one_process_exposes_what_the_client_library_would() -> None:
     assert value(text, "rankgate_http_requests_total", model="other") == (
         600 + 3 - MAX_REQUEST_SERIES
     )
+
+
+def test_a_stream_that_fails_midway_is_counted_with_its_error_status(
+    scripted: Any, scripted_http: httpx.Client
+) -> None:
+    from app.errors import as_api_error
+    from sidecar.errors import EngineFailure
+    from tests.app.scripted import SCRIPTED_MODEL
+
+    failure = EngineFailure("engine died mid-stream")
+    status = str(as_api_error(failure).status)
+    scripted.outputs = ["one two three four five"]
+    scripted.fail_after = (3, failure)
+    before = scrape(scripted_http)
+    body = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with scripted_http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert "engine died mid-stream" in events[-2]
+    after = scrape(scripted_http)
+    labels = {"endpoint": "chat", "status": status, "model": SCRIPTED_MODEL}
+    moved = value(after, "rankgate_http_requests_total", **labels)
+    assert moved - value(before, "rankgate_http_requests_total", **labels) == 1
+    assert value(after, "rankgate_http_requests_in_flight") == 0
