@@ -82,6 +82,10 @@ def test_pinned_requests_queue_for_their_rank_while_the_other_rank_serves_at_onc
                 json=chat("pinned 0", max_tokens=2, data_parallel_rank=0),
             )
             eventually(lambda: gw.admission.waiting == 1, 5, "the rank-0 request waits")
+            metrics = gw.http.get("/metrics").text
+            assert 'rankgate_admission_waiting{rank="0"} 1.0' in metrics
+            assert 'rankgate_admission_in_use{rank="0"} 1.0' in metrics
+            assert 'rankgate_admission_in_use{rank="1"} 0.0' in metrics
             # Rank 1 has its slot free: pinned and unpinned requests go at once, several times.
             for body in (
                 chat("pinned 1", max_tokens=2, data_parallel_rank=1),
@@ -97,6 +101,8 @@ def test_pinned_requests_queue_for_their_rank_while_the_other_rank_serves_at_onc
             assert late.json()["error"]["type"] == "rate_limit_error"
             assert late.json()["error"]["code"] == "gateway_overloaded"
             assert late.headers["retry-after"] == "3"
+            refused = gw.http.get("/metrics").text
+            assert 'rankgate_admission_refused_total{reason="timeout"} 1.0' in refused
             assert 1.3 < time.monotonic() - began < 5
         holder.close()
         eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
