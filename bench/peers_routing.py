@@ -311,13 +311,32 @@ async def main_mock(args: argparse.Namespace, work_dir: Path) -> str:
     rows: list[list[str]] = []
     for wname in args.workload:
         work = workloads[wname]
-        for name, start in starters(args, work_dir).items():
-            try:
-                rows.append((await one_mock(name, start, work, args, model_dir)).row())
-            except peers.Unavailable as exc:
-                rows.append(not_run(work, name, str(exc)))
-            print("  ".join(rows[-1]), flush=True)
-    title = f"Routing quality, mock engine DP=4 (speed {args.speed}), block 16; {peers.machine()}"
+        targets = starters(args, work_dir)
+        names = list(targets)
+        pooled: dict[str, Run] = {}
+        failed: dict[str, list[str]] = {}
+        for round_ in range(args.rounds):
+            # Every other round runs backwards, as with real vLLM: no target always runs
+            # first or last while the machine's other load comes and goes.
+            for name in names[::-1] if round_ % 2 else names:
+                if name in failed:
+                    continue
+                try:
+                    run = await one_mock(name, targets[name], work, args, model_dir)
+                except peers.Unavailable as exc:
+                    failed[name] = not_run(work, name, str(exc))
+                    print("  ".join(failed[name]), flush=True)
+                    continue
+                print(f"round {round_ + 1}: " + "  ".join(run.row()), flush=True)
+                if name in pooled:
+                    pooled[name].absorb(run)
+                else:
+                    pooled[name] = run
+        rows += [failed[name] if name in failed else pooled[name].row() for name in names]
+    title = (
+        f"Routing quality, mock engine DP=4 (speed {args.speed}), block 16; {args.rounds} "
+        f"interleaved passes per target, each on a fresh engine, pooled; {peers.machine()}"
+    )
     return render(rows, title, args.markdown)
 
 
@@ -430,6 +449,9 @@ def main() -> None:
         help=f"first create Dynamo's venv in {peers.DYNAMO_VENV} if missing (implies --dynamo)",
     )
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="passes per target, interleaved and pooled"
+    )
     real = parser.add_argument_group("real vLLM")
     real.add_argument("--real", action="store_true", help="against real vLLM (DP=2)")
     real.add_argument("--max-model-len", type=int, default=2048)
@@ -440,9 +462,6 @@ def main() -> None:
     real.add_argument("--user-tokens", type=int, default=160)
     real.add_argument("--think-seconds", type=float, default=2.0)
     real.add_argument("--stagger-seconds", type=float, default=0.1)
-    real.add_argument(
-        "--rounds", type=int, default=2, help="passes per target, interleaved and pooled"
-    )
     real.add_argument(
         "--target-timeout", type=float, default=120.0, help="seconds one pass may take"
     )
