@@ -13,6 +13,7 @@ from sidecar.convert import (
     encode_transfer_params,
     is_decode_handoff,
     merge_response,
+    wants_logprobs,
 )
 from sidecar.errors import EngineFailure, InvalidRequest
 from sidecar.proto.vllm import inference_pb2 as pb
@@ -342,14 +343,17 @@ def test_merged_responses_decode_like_the_messages_one_by_one() -> None:
             response(text="b"),
         ),
         (response(text="a"), response(prompt_info=pb.PromptInfo(num_prompt_tokens=1))),
-        (response(text="a", index=0), response(text="b", index=1)),
-        # Per-token logprob lists stay with their own message.
-        (response(text="a", token_ids=[1], logprobs=[-1.0]), response(text="b")),
-        (response(text="a"), response(text="b", token_ids=[2], ranks=[1])),
-        (response(text="a"), response(candidate_tokens=[pb.CandidateTokenInfo()])),
     ],
 )
 def test_responses_that_cannot_merge_are_left_alone(into: Any, more: Any) -> None:
     before = into.SerializeToString()
     assert merge_response(into, more) is False
     assert into.SerializeToString() == before
+
+
+@pytest.mark.parametrize(("logprobs", "wanted"), [(None, False), (0, True), (3, True)])
+def test_streams_with_logprobs_are_known_from_the_request(
+    logprobs: int | None, wanted: bool
+) -> None:
+    (message,) = RequestEncoder("m").encode(prepared(output=OutputOptions(logprobs=logprobs)))
+    assert wants_logprobs(message) is wanted

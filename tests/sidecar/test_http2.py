@@ -380,8 +380,8 @@ def _message(**fields: Any) -> bytes:
 
 
 async def test_messages_already_waiting_are_merged_into_one() -> None:
-    """A reader that fell behind gets everything waiting at once, nothing lost; messages with
-    logprobs, and anything after a finish, are left whole."""
+    """A reader that fell behind gets everything waiting at once, nothing lost; the messages
+    of a request that asked for logprobs are left whole."""
     finish = inference_pb2.FinishInfo(finish_reason=inference_pb2.FinishInfo.LENGTH)
     finish.num_output_tokens = 4
 
@@ -414,7 +414,9 @@ async def test_messages_already_waiting_are_merged_into_one() -> None:
         assert merged.outputs.text == "t0t1t2!"
         assert merged.outputs.num_tokens == 4
         assert merged.outputs.finish_info == finish
-        logprobs = await _all(client.GenerateStream(_request("logprobs")))
+        asks = _request("logprobs")
+        asks.response.output_logprobs = True
+        logprobs = await _all(client.GenerateStream(asks))
         assert [list(m.outputs.logprobs) for m in logprobs] == [[-0.5], [-1.5]]
 
 
