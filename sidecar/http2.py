@@ -265,13 +265,15 @@ class Call:
     )
 
     def __init__(
-        self, parse: Callable[[bytes], Any], merge: Callable[[Any, Any], bool] | None = None
+        self,
+        parse: Callable[[bytes], Any],
+        merge: Callable[[Any, list[Any]], bool] | None = None,
     ) -> None:
         self._parse = parse
-        # Appends a later message to an earlier one when that loses nothing (True), so a
+        # Appends later messages to an earlier one when that loses nothing (True), so a
         # reader that fell behind takes every message already waiting in one go.
         self._merge = merge
-        self._pending: Any = None
+        self._pending: deque[Any] = deque()
         self._conn: Connection | None = None
         self.stream_id = 0
         self.send_window = DEFAULT_WINDOW
@@ -310,23 +312,22 @@ class Call:
                 self._waiter = None
 
     def _next(self) -> Any:
-        """The next message, with every message already waiting behind it merged in while
-        ``merge`` accepts them; None when nothing is waiting."""
+        """The next message, with the messages already waiting behind it merged in when
+        ``merge`` accepts them all; None when nothing is waiting."""
+        pending = self._pending
+        if pending:
+            # Left whole by a merge that declined them: handed out one by one, in order.
+            return pending.popleft()
         messages = self._messages
-        message = self._pending
-        if message is not None:
-            self._pending = None
-        elif messages:
-            message = self._take(messages)
-        else:
+        if not messages:
             return None
+        message = self._take(messages)
         merge = self._merge
-        if merge is not None:
-            for _ in range(min(len(messages), MAX_MERGED)):
-                more = self._take(messages)
-                if not merge(message, more):
-                    self._pending = more
-                    break
+        if merge is not None and messages:
+            take = self._take
+            batch = [take(messages) for _ in range(min(len(messages), MAX_MERGED))]
+            if not merge(message, batch):
+                pending.extend(batch)
         self._maybe_credit()
         return message
 
@@ -352,7 +353,7 @@ class Call:
             return False
         self._cancelled = True
         self._messages.clear()
-        self._pending = None
+        self._pending.clear()
         self._finish(asyncio.CancelledError())
         conn = self._conn
         if conn is not None:

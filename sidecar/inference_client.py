@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from sidecar.convert import merge_response, wants_logprobs
+from sidecar.convert import merge_responses, wants_logprobs
 from sidecar.endpoint import Endpoint
 from sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers, rpc_error
 from sidecar.proto.vllm import inference_pb2
@@ -61,9 +61,9 @@ class InferenceClient:
 
     def GenerateStream(self, message: Any, metadata: Metadata | None = None) -> Call:
         """Server streaming; a reader that fell behind gets the messages already waiting
-        merged into one where nothing is lost (``convert.merge_response``), unless the
+        merged into one where nothing is lost (``convert.merge_responses``), unless the
         request asks for logprobs."""
-        call = Call(_PARSE, None if wants_logprobs(message) else merge_response)
+        call = Call(_PARSE, None if wants_logprobs(message) else merge_responses)
         self._start(call, GENERATE_STREAM, message, metadata)
         return call
 

@@ -12,7 +12,7 @@ from sidecar.convert import (
     decode_transfer_params,
     encode_transfer_params,
     is_decode_handoff,
-    merge_response,
+    merge_responses,
     wants_logprobs,
 )
 from sidecar.errors import EngineFailure, InvalidRequest
@@ -326,7 +326,7 @@ def test_merged_responses_decode_like_the_messages_one_by_one() -> None:
     ]
     merged = pb.GenerateResponse()
     merged.CopyFrom(messages[0])
-    assert all(merge_response(merged, more) for more in messages[1:])
+    assert merge_responses(merged, messages[1:])
     delta = DeltaDecoder(0, False).feed(merged)
     assert delta is not None
     assert (delta.text, delta.token_ids, delta.prompt_tokens) == ("Hello", (1, 2, 3), 5)
@@ -334,20 +334,25 @@ def test_merged_responses_decode_like_the_messages_one_by_one() -> None:
     assert merged.outputs.num_tokens == 3
 
 
+_FINISHED = pb.FinishInfo(finish_reason=pb.FinishInfo.LENGTH)
+
+
 @pytest.mark.parametrize(
     ("into", "more"),
     [
         # Nothing follows a finish; a stream's first message starts a new sequence.
+        (response(text="a", finish_info=_FINISHED), [response(text="b")]),
+        (response(text="a"), [response(prompt_info=pb.PromptInfo(num_prompt_tokens=1))]),
+        (response(text="a"), [response(text="b", finish_info=_FINISHED), response(text="c")]),
         (
-            response(text="a", finish_info=pb.FinishInfo(finish_reason=pb.FinishInfo.LENGTH)),
-            response(text="b"),
+            response(text="a"),
+            [response(text="b"), response(prompt_info=pb.PromptInfo(num_prompt_tokens=1))],
         ),
-        (response(text="a"), response(prompt_info=pb.PromptInfo(num_prompt_tokens=1))),
     ],
 )
-def test_responses_that_cannot_merge_are_left_alone(into: Any, more: Any) -> None:
+def test_responses_that_cannot_merge_are_left_alone(into: Any, more: list[Any]) -> None:
     before = into.SerializeToString()
-    assert merge_response(into, more) is False
+    assert merge_responses(into, more) is False
     assert into.SerializeToString() == before
 
 

@@ -20,7 +20,7 @@ import hpack
 import pytest
 
 from sidecar import http2
-from sidecar.convert import merge_response
+from sidecar.convert import merge_responses
 from sidecar.endpoint import parse_endpoint
 from sidecar.inference_client import InferenceClient
 from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
@@ -422,7 +422,7 @@ async def test_messages_already_waiting_are_merged_into_one() -> None:
 
 async def test_one_read_merges_at_most_max_merged_more() -> None:
     conn = http2.Connection(MAX_MESSAGE, lambda _: None, lambda *_: None)
-    call = http2.Call(inference_pb2.GenerateResponse.FromString, merge_response)
+    call = http2.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
     call._conn = conn
     call.on_headers(_OK, end_stream=False)
     data = b"".join(http2.grpc_message(_message(token_ids=[i])) for i in range(40))
@@ -434,6 +434,26 @@ async def test_one_read_merges_at_most_max_merged_more() -> None:
         list(range(http2.MAX_MERGED + 1, 40)),
     ]
     assert reads[2] is grpc.aio.EOF
+
+
+async def test_a_declined_merge_hands_the_messages_out_in_order() -> None:
+    call = http2.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
+    call._conn = http2.Connection(MAX_MESSAGE, lambda _: None, lambda *_: None)
+    call.on_headers(_OK, end_stream=False)
+    finish = inference_pb2.FinishInfo(finish_reason=inference_pb2.FinishInfo.LENGTH)
+    # Nothing may follow a finish, so these three are not merged.
+    data = b"".join(
+        http2.grpc_message(payload)
+        for payload in (
+            _message(text="a", token_ids=[1]),
+            _message(text="b", token_ids=[2], finish_info=finish),
+            _message(text="c", token_ids=[3]),
+        )
+    )
+    call.on_data(data, len(data))
+    call.on_headers([("grpc-status", "0")], end_stream=True)
+    assert [(await call.read()).outputs.text for _ in range(3)] == ["a", "b", "c"]
+    assert await call.read() is grpc.aio.EOF
 
 
 async def test_a_reader_that_keeps_up_gets_every_message_as_sent() -> None:
