@@ -328,7 +328,8 @@ class Call:
             batch = [take(messages) for _ in range(min(len(messages), MAX_MERGED))]
             if not merge(message, batch):
                 pending.extend(batch)
-        self._maybe_credit()
+        if self._credit - self._held >= STREAM_CREDIT_STEP:
+            self._maybe_credit()
         return message
 
     def _take(self, messages: deque[bytes]) -> Any:
@@ -340,12 +341,20 @@ class Call:
         return self
 
     async def __anext__(self) -> Any:
-        message = self._next()
-        if message is None:
-            message = await self.read()
-            if message is EOF:
+        # ``read`` inlined: a message costs one coroutine, not two.
+        while True:
+            message = self._next()
+            if message is not None:
+                return message
+            if self._ended is not None:
+                if self._error is not None:
+                    raise self._error
                 raise StopAsyncIteration
-        return message
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
 
     def cancel(self) -> bool:
         """Drop the call: RST_STREAM(CANCEL) to the engine, CancelledError to the reader."""
@@ -421,7 +430,8 @@ class Call:
         if at < size:
             self._partial = [data[at:]]
             self._partial_size = size - at
-        self._maybe_credit()
+        if self._credit - self._held >= STREAM_CREDIT_STEP:
+            self._maybe_credit()
         if queued:
             self._wake()
 
