@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
 from sidecar.errors import EngineFailure
@@ -57,7 +57,7 @@ def unprimed(stream: AsyncIterator[Delta]) -> tuple[Delta | None, AsyncIterator[
     return None, stream
 
 
-async def close_stream(stream: AsyncIterator[Any]) -> None:
+async def close_stream(stream: AsyncIterable[Any]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()

@@ -12,12 +12,13 @@ chunk passes through no generator layer of its own between the encoder and the s
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from typing import Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.errors import as_api_error
-from app.respond.merge import close_stream
+from app.respond.merge import close_stream, unprimed
 from sidecar.types import Delta
 
 DONE = b"data: [DONE]\n\n"
@@ -31,6 +32,42 @@ def error_event(exc: Exception) -> tuple[int, bytes]:
     return error.status, b"data: " + error.body() + b"\n\n" + DONE
 
 
+class ChunkEncoder(Protocol):
+    def chunk(self, delta: Delta) -> bytes:
+        """The bytes ``delta`` adds to the stream (b"" for none)."""
+
+    def tail(self) -> bytes:
+        """The stream's last bytes (the usage chunk when asked for, and ``[DONE]``)."""
+
+
+class DeltaEvents:
+    """SSE chunks encoded from a delta stream: iterable as bytes, and run by
+    :class:`EventStreamResponse` without a generator of its own (the encoder is called in
+    the response's own loop)."""
+
+    __slots__ = ("deltas", "encoder")
+
+    def __init__(self, encoder: ChunkEncoder, deltas: AsyncIterator[Delta]) -> None:
+        self.encoder = encoder
+        self.deltas = deltas
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        chunk = self.encoder.chunk
+        first, rest = unprimed(self.deltas)
+        if first is not None:
+            out = chunk(first)
+            if out:
+                yield out
+        async for delta in rest:
+            out = chunk(delta)
+            if out:
+                yield out
+        yield self.encoder.tail()
+
+
 class Guarded:
     """SSE chunks that end in an error event rather than an exception, with the engine
     stream behind them always closed and ``on_done`` told the status they ended with (200, or
@@ -40,7 +77,7 @@ class Guarded:
 
     def __init__(
         self,
-        events: AsyncIterator[bytes],
+        events: AsyncIterable[bytes],
         source: AsyncIterator[Delta],
         on_done: Callable[[int], None] | None = None,
     ) -> None:
@@ -104,17 +141,10 @@ class EventStreamResponse(Response):
         finished = False
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            step = events.__anext__
-            while True:
-                try:
-                    chunk = await step()
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:
-                    status, chunk = error_event(exc)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if isinstance(events, DeltaEvents):
+                status = await _send_encoded(events, send)
+            else:
+                status = await _send_chunks(events, send)
             finished = True
             await guarded.finish(status)
             await send(_END)
@@ -125,3 +155,49 @@ class EventStreamResponse(Response):
             if not finished:
                 await close_stream(events)
                 await guarded.finish(status)
+
+
+async def _send_chunks(events: AsyncIterable[bytes], send: Send) -> int:
+    """Send every chunk; a failure of the chunks becomes the error event. The status."""
+    step = aiter(events).__anext__
+    while True:
+        try:
+            chunk = await step()
+        except StopAsyncIteration:
+            return 200
+        except Exception as exc:
+            return await _send_error(exc, send)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+async def _send_encoded(events: DeltaEvents, send: Send) -> int:
+    """:func:`_send_chunks` for a delta stream, with the encoder called inline."""
+    encoder = events.encoder
+    chunk = encoder.chunk
+    try:
+        first, rest = unprimed(events.deltas)
+        step = aiter(rest).__anext__
+        out = chunk(first) if first is not None else b""
+    except Exception as exc:
+        return await _send_error(exc, send)
+    while True:
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+        try:
+            out = chunk(await step())
+        except StopAsyncIteration:
+            break
+        except Exception as exc:
+            return await _send_error(exc, send)
+    try:
+        out = encoder.tail()
+    except Exception as exc:
+        return await _send_error(exc, send)
+    await send({"type": "http.response.body", "body": out, "more_body": True})
+    return 200
+
+
+async def _send_error(exc: Exception, send: Send) -> int:
+    status, event = error_event(exc)
+    await send({"type": "http.response.body", "body": event, "more_body": True})
+    return status

@@ -7,15 +7,14 @@ a few byte concatenations; only requests with reasoning/tool parsing or logprobs
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 import msgspec
 import orjson
 
 from app.respond.context import ResponseContext
-from app.respond.merge import unprimed
 from app.respond.parsers import ChoiceParser, Parsed
-from app.respond.sse import DONE, Guarded
+from app.respond.sse import DONE, DeltaEvents, Guarded
 from app.respond.usage import UsageCounter
 from app.schemas.responses import (
     ChatDelta,
@@ -80,9 +79,20 @@ class _Frame:
 class _ChatChunks:
     """One chat stream's chunk encoder: the bytes each delta adds to the stream."""
 
-    __slots__ = ("choice", "fast", "fmt", "frame", "parsers", "prefixes", "started", "usage")
+    __slots__ = (
+        "choice",
+        "fast",
+        "fmt",
+        "frame",
+        "include_usage",
+        "parsers",
+        "prefixes",
+        "started",
+        "usage",
+    )
 
     def __init__(self, ctx: ResponseContext) -> None:
+        self.include_usage = ctx.include_usage
         self.frame = frame = _Frame(ctx, b"chat.completion.chunk")
         self.usage = UsageCounter(ctx)
         self.started = [False] * ctx.choices
@@ -152,24 +162,14 @@ class _ChatChunks:
             + frame.end(usage)
         )
 
-    def tail(self, include_usage: bool) -> bytes:
-        head = self.frame.usage_chunk(self.usage.usage()) if include_usage else b""
+    def tail(self) -> bytes:
+        head = self.frame.usage_chunk(self.usage.usage()) if self.include_usage else b""
         return head + DONE
 
 
-async def chat_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-    chunks = _ChatChunks(ctx)
-    chunk = chunks.chunk
-    first, rest = unprimed(deltas)
-    if first is not None:
-        out = chunk(first)
-        if out:
-            yield out
-    async for delta in rest:
-        out = chunk(delta)
-        if out:
-            yield out
-    yield chunks.tail(ctx.include_usage)
+def chat_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> DeltaEvents:
+    """The chat completion chunks of ``deltas``, ``[DONE]`` last."""
+    return DeltaEvents(_ChatChunks(ctx), deltas)
 
 
 def _merge(into: Parsed, more: Parsed) -> None:
@@ -205,9 +205,10 @@ def _parsed_delta(parsed: Parsed) -> bytes | None:
 class _CompletionChunks:
     """One text-completion stream's chunk encoder."""
 
-    __slots__ = ("choice", "ctx", "fmt", "frame", "offsets", "started", "usage")
+    __slots__ = ("choice", "ctx", "fmt", "frame", "include_usage", "offsets", "started", "usage")
 
     def __init__(self, ctx: ResponseContext) -> None:
+        self.include_usage = ctx.include_usage
         self.ctx = ctx
         self.frame = _Frame(ctx, b"text_completion")
         self.usage = UsageCounter(ctx)
@@ -260,30 +261,18 @@ class _CompletionChunks:
             + self.frame.end(usage)
         )
 
-    def tail(self, include_usage: bool) -> bytes:
-        head = self.frame.usage_chunk(self.usage.usage()) if include_usage else b""
+    def tail(self) -> bytes:
+        head = self.frame.usage_chunk(self.usage.usage()) if self.include_usage else b""
         return head + DONE
 
 
-async def completion_events(
-    ctx: ResponseContext, deltas: AsyncIterator[Delta]
-) -> AsyncIterator[bytes]:
-    chunks = _CompletionChunks(ctx)
-    chunk = chunks.chunk
-    first, rest = unprimed(deltas)
-    if first is not None:
-        out = chunk(first)
-        if out:
-            yield out
-    async for delta in rest:
-        out = chunk(delta)
-        if out:
-            yield out
-    yield chunks.tail(ctx.include_usage)
+def completion_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> DeltaEvents:
+    """The text completion chunks of ``deltas``, ``[DONE]`` last."""
+    return DeltaEvents(_CompletionChunks(ctx), deltas)
 
 
 def guarded(
-    events: AsyncIterator[bytes],
+    events: AsyncIterable[bytes],
     source: AsyncIterator[Delta],
     on_done: Callable[[int], None] | None = None,
 ) -> Guarded:

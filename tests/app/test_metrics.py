@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from prometheus_client import multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -240,8 +241,19 @@ def test_one_process_exposes_what_the_client_library_would() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "endpoint", "body"),
+    [
+        ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", "completions", {"prompt": "hi"}),
+    ],
+)
 def test_a_stream_that_fails_midway_is_counted_with_its_error_status(
-    scripted: Any, scripted_http: httpx.Client
+    scripted: Any,
+    scripted_http: httpx.Client,
+    path: str,
+    endpoint: str,
+    body: dict[str, Any],
 ) -> None:
     from app.errors import as_api_error
     from sidecar.errors import EngineFailure
@@ -252,13 +264,14 @@ def test_a_stream_that_fails_midway_is_counted_with_its_error_status(
     scripted.outputs = ["one two three four five"]
     scripted.fail_after = (3, failure)
     before = scrape(scripted_http)
-    body = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    with scripted_http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    request = {"model": SCRIPTED_MODEL, **body, "stream": True}
+    with scripted_http.stream("POST", path, json=request) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert "engine died mid-stream" in events[-2]
+    assert len(events) >= 4  # the chunks before the failure came first
     after = scrape(scripted_http)
-    labels = {"endpoint": "chat", "status": status, "model": SCRIPTED_MODEL}
+    labels = {"endpoint": endpoint, "status": status, "model": SCRIPTED_MODEL}
     moved = value(after, "rankgate_http_requests_total", **labels)
     assert moved - value(before, "rankgate_http_requests_total", **labels) == 1
     assert value(after, "rankgate_http_requests_in_flight") == 0
