@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.ports import free_port, free_port_range  # noqa: E402
+
 TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
 DYNAMO_VENV = Path(
     os.environ.get("RANKGATE_DYNAMO_VENV", Path.home() / ".cache" / "rankgate" / "dynamo")
@@ -48,30 +51,6 @@ LOOPBACK_ENV = {
 
 class Unavailable(RuntimeError):
     """A peer cannot run here; the message says why, for the results table."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def free_port_range(count: int) -> int:
-    for _ in range(200):
-        base = free_port()
-        held: list[socket.socket] = []
-        try:
-            for offset in range(count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError("no consecutive free ports")
 
 
 def machine() -> str:

@@ -1,14 +1,52 @@
-"""Loopback port allocation for servers started by tests."""
+"""Loopback port allocation for servers started by tests.
+
+Ports come from below the kernel's ephemeral range, never from it: a port the kernel handed
+out for ``bind(0)`` is also one it may hand to any outgoing connection's source port (a gRPC
+channel, an HTTP client, vLLM's own sockets) between this check and the server's bind, which
+made servers fail with "address already in use" now and then on a busy run.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+_LOWEST = 10_000
+_DEFAULT_EPHEMERAL = (32_768, 60_999)
+_TRIES = 1_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
+def _band() -> tuple[int, int]:
+    low, high = _ephemeral_range()
+    if low - _LOWEST >= 4_096:
+        return _LOWEST, low - 1
+    return high + 1, 65_535
+
+
+_RANDOM = random.Random()
+_BAND = _band()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_port_range(1)
 
 
 def free_port_range(count: int) -> int:
@@ -16,20 +54,9 @@ def free_port_range(count: int) -> int:
 
     KV-event publishers bind ``base + rank``, so consecutive ports are needed.
     """
-    for _ in range(200):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for offset in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-        return base
-    raise RuntimeError(f"no run of {count} free loopback ports found")
+    low, high = _BAND
+    for _ in range(_TRIES):
+        base = _RANDOM.randint(low, high - count + 1)
+        if all(_bindable(base + offset) for offset in range(count)):
+            return base
+    raise RuntimeError(f"no run of {count} free loopback ports found in {low}-{high}")
