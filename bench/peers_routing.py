@@ -24,7 +24,12 @@ the ceiling, the hit rate of one never-evicting cache over the same prompts in t
 (``bench/prefix_ceiling.py``), which no routing can beat.
 
 TTFT is measured at the client, from sending the request to the first streamed chunk
-(``tests.routing.workload.GatewayClient``, the routing tests' own HTTP client).
+(``tests.routing.workload.GatewayClient``, the routing tests' own HTTP client). With
+``--real``, vLLM's own mean TTFT (``vllm:time_to_first_token_seconds``: arrival in the engine
+to first token) stands beside it: on a CPU build the two DP ranks, the gateway and this client
+share the same cores, so the client's figure also measures who gets the CPU; vLLM's isolates
+what routing controls (cache hits and queueing inside the engine). vLLM runs at
+``--vllm-nice`` (default 10) so that its spinning workers do not starve the rest.
 
     scripts/in-netns .venv/bin/python bench/peers_routing.py [--speed 0.1] [--markdown]
     scripts/in-netns .venv/bin/python bench/peers_routing.py --real [--dynamo] [--markdown]
@@ -133,6 +138,7 @@ class Run:
             f"{sum(self.shares) / len(self.shares):.0%}" if self.shares else "n/a",
             f"{result.mean_ttft * 1e3:.1f}",
             f"{result.p99_ttft * 1e3:.1f}",
+            _engine_ttft(self.measured),
             f"{throughput:.2f}",
             f"{result.seconds:.1f}",
         ]
@@ -142,6 +148,11 @@ def _add(a: CacheCounters | None, b: CacheCounters | None) -> CacheCounters | No
     return None if a is None or b is None else a + b
 
 
+def _engine_ttft(counters: CacheCounters | None) -> str:
+    mean = None if counters is None else counters.engine_ttft
+    return "n/a" if mean is None else f"{mean * 1e3:.1f}"
+
+
 def _percent(counters: CacheCounters | None) -> str:
     rate = None if counters is None else counters.hit_rate
     return "n/a" if rate is None else f"{rate:.1%}"
@@ -149,7 +160,8 @@ def _percent(counters: CacheCounters | None) -> str:
 
 HEAD = [
     "workload", "target", "requests", "hit rate", "router estimate", "ceiling",
-    "busiest rank (mean of passes)", "mean TTFT ms", "p99 TTFT ms", "req/s", "wall s",
+    "busiest rank (mean of passes)", "mean TTFT ms", "p99 TTFT ms", "vLLM's mean TTFT ms",
+    "req/s", "wall s",
 ]  # fmt: skip
 
 
@@ -374,7 +386,11 @@ async def main_real(args: argparse.Namespace, work_dir: Path) -> str:
     workloads: dict[str, Workload] = {"shared": shared, "unique": unique}
     rows: list[list[str]] = []
     with start_real_vllm(
-        dp_size=2, block_size=32, max_model_len=args.max_model_len, dev_endpoints=True
+        dp_size=2,
+        block_size=32,
+        max_model_len=args.max_model_len,
+        dev_endpoints=True,
+        nice=args.vllm_nice,
     ) as server:
         engine = peers.Engine(
             server.target, server.dp_size, server.block_size, server.served_model_name,
@@ -462,6 +478,13 @@ def main() -> None:
     real.add_argument("--user-tokens", type=int, default=160)
     real.add_argument("--think-seconds", type=float, default=2.0)
     real.add_argument("--stagger-seconds", type=float, default=0.1)
+    real.add_argument(
+        "--vllm-nice",
+        type=int,
+        default=10,
+        help="vLLM's niceness: its CPU workers spin on every core after each step and would "
+        "otherwise starve the gateways and this client, which share those cores",
+    )
     real.add_argument(
         "--target-timeout", type=float, default=120.0, help="seconds one pass may take"
     )

@@ -21,6 +21,7 @@ import httpx
 
 QUERIES = "vllm:prefix_cache_queries"
 HITS = "vllm:prefix_cache_hits"
+TTFT = "vllm:time_to_first_token_seconds"
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,17 @@ class CacheCounters:
     queries: float = 0.0
     hits: float = 0.0
     by_engine: tuple[float, ...] = ()
+    # vLLM's own time to first token (arrival in the engine to first token), summed.
+    ttft_seconds: float = 0.0
+    ttft_count: float = 0.0
 
     def __sub__(self, before: CacheCounters) -> CacheCounters:
         return CacheCounters(
             self.queries - before.queries,
             self.hits - before.hits,
             _pairwise(self.by_engine, before.by_engine, -1.0),
+            self.ttft_seconds - before.ttft_seconds,
+            self.ttft_count - before.ttft_count,
         )
 
     def __add__(self, other: CacheCounters) -> CacheCounters:
@@ -44,11 +50,18 @@ class CacheCounters:
             self.queries + other.queries,
             self.hits + other.hits,
             _pairwise(self.by_engine, other.by_engine, 1.0),
+            self.ttft_seconds + other.ttft_seconds,
+            self.ttft_count + other.ttft_count,
         )
 
     @property
     def hit_rate(self) -> float | None:
         return self.hits / self.queries if self.queries > 0 else None
+
+    @property
+    def engine_ttft(self) -> float | None:
+        """Mean seconds from a request's arrival in vLLM to its first token, as vLLM counts."""
+        return self.ttft_seconds / self.ttft_count if self.ttft_count > 0 else None
 
     @property
     def busiest_share(self) -> float | None:
@@ -67,14 +80,18 @@ def parse_counters(exposition: str) -> CacheCounters:
     """Sum each counter over all its label sets (one per engine / DP rank).
 
     Read line by line: metric names with a colon are legal in the text format but not every
-    parser takes them, and only two sample names matter here.
+    parser takes them, and only a few sample names matter here.
     """
+    ttft = {TTFT + "_sum": 0.0, TTFT + "_count": 0.0}
     totals: dict[str, float] = {}
     engines: dict[str, float] = {}
     for line in exposition.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ttft:
+            ttft[name] += float(line.rsplit(" ", 1)[1])
+            continue
         family = name.removesuffix("_total")
         if family not in (QUERIES, HITS):
             continue
@@ -87,7 +104,9 @@ def parse_counters(exposition: str) -> CacheCounters:
     if missing:
         raise ValueError(f"vLLM's /metrics has no {', '.join(sorted(missing))}")
     by_engine = tuple(engines[e] for e in sorted(engines))
-    return CacheCounters(totals[QUERIES], totals[HITS], by_engine)
+    return CacheCounters(
+        totals[QUERIES], totals[HITS], by_engine, ttft[TTFT + "_sum"], ttft[TTFT + "_count"]
+    )
 
 
 def _label(line: str, key: str) -> str:

@@ -196,11 +196,13 @@ def start_real_vllm(
     *,
     max_model_len: int = 512,
     dev_endpoints: bool = False,
+    nice: int = 0,
 ) -> Iterator[RealVllm]:
     """Serve real vLLM with KV events on for the ``with`` block; skip or fail if impossible.
 
     ``max_model_len`` past the tiny model's 512 serves a copy with more positions;
-    ``dev_endpoints`` opens vLLM's development routes such as ``/reset_prefix_cache``.
+    ``dev_endpoints`` opens vLLM's development routes such as ``/reset_prefix_cache``;
+    ``nice`` lowers vLLM's CPU priority (``scripts/real-vllm serve --nice``).
     """
     if not sys.platform.startswith("linux"):
         _unavailable(f"real vLLM CPU runs on Linux only, not {sys.platform}")
@@ -222,6 +224,8 @@ def start_real_vllm(
         ]  # fmt: skip
         if dev_endpoints:
             argv.append("--dev-endpoints")
+        if nice:
+            argv += ["--nice", str(nice)]
         with stderr_path.open("wb") as stderr_file:
             proc = subprocess.Popen(
                 argv,
