@@ -67,6 +67,8 @@ from sidecar.http2 import (
     SETTINGS_MAX_FRAME_SIZE,
     WINDOW_UPDATE,
     HeaderDecoder,
+    hpack_int,
+    hpack_str,
 )
 
 log = logging.getLogger(__name__)
@@ -103,34 +105,16 @@ _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 # ---------------------------------------------------------------- HPACK literals (responses)
 
 
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _hpack_str(raw: bytes) -> bytes:
-    return _hpack_int(len(raw), 7) + raw
-
-
 def _literal(name: str, value: str | bytes) -> bytes:
     """A literal header field without indexing, new name (RFC 7541 6.2.2)."""
-    raw = value if isinstance(value, bytes) else value.encode()
-    return b"\x00" + _hpack_str(name.encode()) + _hpack_str(raw)
+    return b"\x00" + hpack_str(name) + hpack_str(value)
 
 
 # :status 200 is static entry 8; content-type's name is static entry 31.
 _RESPONSE_HEADERS = (
     b"\x88"
-    + _hpack_int(31, 4)
-    + _hpack_str(b"application/grpc")
+    + hpack_int(31, 4)
+    + hpack_str(b"application/grpc")
     + _literal("grpc-accept-encoding", "identity,deflate,gzip")
 )
 _OK_TRAILERS = _literal("grpc-status", "0")
@@ -556,7 +540,7 @@ class Connection(asyncio.Protocol):
             elif name == "grpc-encoding":
                 encoding = value
         if not content_type.startswith("application/grpc"):
-            block = b"\x00" + _hpack_str(b":status") + _hpack_str(b"415")
+            block = b"\x00" + hpack_str(b":status") + hpack_str(b"415")
             self._send_headers(stream_id, block, END_STREAM)
             self._refuse_body(stream_id, end)
             return

@@ -186,10 +186,11 @@ def _unavailable(details: str) -> grpc.aio.AioRpcError:
     return rpc_error(grpc.StatusCode.UNAVAILABLE, details)
 
 
-# ---------------------------------------------------------------- HPACK encoding (requests)
+# ---------------------------------------------------------------- HPACK literals
 
 
-def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
+def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) in a ``prefix_bits`` prefix, high bits from ``first``."""
     limit = (1 << prefix_bits) - 1
     if value < limit:
         return bytes((first | value,))
@@ -202,9 +203,10 @@ def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
     return bytes(out)
 
 
-def _hpack_str(text: str) -> bytes:
-    raw = text.encode()
-    return _hpack_int(len(raw), 7, 0) + raw
+def hpack_str(text: str | bytes) -> bytes:
+    """An HPACK string literal, never Huffman-coded (RFC 7541 5.2)."""
+    raw = text.encode() if isinstance(text, str) else text
+    return hpack_int(len(raw), 7) + raw
 
 
 def request_headers(
@@ -216,12 +218,12 @@ def request_headers(
     """
     block = bytearray(b"\x83")  # :method POST (static table 3)
     block += b"\x87" if scheme == "https" else b"\x86"  # :scheme (static 7 / 6)
-    block += _hpack_int(4, 4, 0) + _hpack_str(path)  # :path, name from static 4
-    block += _hpack_int(1, 4, 0) + _hpack_str(authority)  # :authority, static 1
-    block += _hpack_int(31, 4, 0) + _hpack_str("application/grpc")  # content-type, static 31
-    block += _hpack_int(58, 4, 0) + _hpack_str("rankgate")  # user-agent, static 58
+    block += hpack_int(4, 4) + hpack_str(path)  # :path, name from static 4
+    block += hpack_int(1, 4) + hpack_str(authority)  # :authority, static 1
+    block += hpack_int(31, 4) + hpack_str("application/grpc")  # content-type, static 31
+    block += hpack_int(58, 4) + hpack_str("rankgate")  # user-agent, static 58
     for name, value in (("te", "trailers"), *metadata):
-        block += b"\x00" + _hpack_str(name.lower()) + _hpack_str(value)
+        block += b"\x00" + hpack_str(name.lower()) + hpack_str(value)
     return bytes(block)
 
 
