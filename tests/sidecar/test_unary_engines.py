@@ -24,6 +24,8 @@ from tests.support.engines import EngineUnderTest
 
 pytestmark = pytest.mark.timeout(300)
 
+DROP_ATTEMPTS = 3
+
 
 @pytest_asyncio.fixture
 async def pinned(engine: EngineUnderTest) -> AsyncIterator[Sidecar]:
@@ -65,24 +67,37 @@ async def test_a_dropped_unary_call_stops_the_engine(
             "the conformance mocker runs at zero latency and finishes before a client can "
             "leave; tests/sidecar/test_unary.py covers the mocker at a paced speed"
         )
-    prompt = fresh_prompt(engine.block_size)
-    limit = MAX_MODEL_LEN - len(prompt)
-    with kv_listener(engine) as listener:
-        call = pinned.generate(
-            request(
-                "unary-drop",
-                prompt_token_ids=tuple(prompt),
-                stopping=StoppingParams(max_tokens=limit, ignore_eos=True),
-                stream=False,
+    # A quiet machine can finish the whole run between the first decoded block and the
+    # cancel; such a run says nothing about dropping, so a fresh prompt is tried.
+    for _ in range(DROP_ATTEMPTS):
+        prompt = fresh_prompt(engine.block_size)
+        limit = MAX_MODEL_LEN - len(prompt)
+        with kv_listener(engine) as listener:
+            call = pinned.generate(
+                request(
+                    "unary-drop",
+                    prompt_token_ids=tuple(prompt),
+                    stopping=StoppingParams(max_tokens=limit, ignore_eos=True),
+                    stream=False,
+                )
             )
-        )
-        task = asyncio.ensure_future(collect(call))
-        await asyncio.to_thread(listener.wait_for, lambda _: bool(listener.stored(prompt)), 60.0)
-        root = listener.stored(prompt)[0].block_hashes[-1]
-        await asyncio.to_thread(listener.wait_for, lambda _: len(listener.chain(root)) >= 1, 60.0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert pinned.in_flight() == dict.fromkeys(pinned.info.ranks, 0)
-        decoded = await asyncio.to_thread(wait_until_quiet, listener, root)
-    assert decoded < decoded_blocks_of_a_full_run(engine)
+            task = asyncio.ensure_future(collect(call))
+            await asyncio.to_thread(
+                listener.wait_for, lambda _, p=prompt: bool(listener.stored(p)), 60.0
+            )
+            root = listener.stored(prompt)[0].block_hashes[-1]
+            await asyncio.to_thread(
+                listener.wait_for, lambda _, r=root: len(listener.chain(r)) >= 1, 60.0
+            )
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                continue
+            assert pinned.in_flight() == dict.fromkeys(pinned.info.ranks, 0)
+            decoded = await asyncio.to_thread(wait_until_quiet, listener, root)
+        assert decoded < decoded_blocks_of_a_full_run(engine)
+        return
+    pytest.fail(f"all {DROP_ATTEMPTS} runs finished before they could be dropped")
