@@ -299,19 +299,11 @@ class Call:
     # -- consumer side
 
     async def read(self) -> Any:
-        while True:
-            message = self._next()
-            if message is not None:
-                return message
-            if self._ended is not None:
-                if self._error is not None:
-                    raise self._error
-                return EOF
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+        """The next message, or ``EOF`` once the call ended cleanly (grpc.aio's ``read``)."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            return EOF
 
     def _next(self) -> Any:
         """The next message, with the messages already waiting behind it merged in when
@@ -343,7 +335,6 @@ class Call:
         return self
 
     async def __anext__(self) -> Any:
-        # ``read`` inlined: a message costs one coroutine, not two.
         while True:
             message = self._next()
             if message is not None:
