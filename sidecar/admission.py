@@ -164,7 +164,7 @@ class Admission:
         enough is free and nobody it must not overtake is waiting."""
         if key is None:
             return not self._anywhere and self.free >= weight
-        return key not in self._pinned and self.limit.get(key, 0) - self.used.get(key, 0) >= weight
+        return key not in self._pinned and self.room(key) >= weight
 
     def take(self, key: int) -> None:
         """One stream on ``key`` holds a slot (over the limit when the caller insists)."""
