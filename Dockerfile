@@ -11,6 +11,9 @@
 #   docker run -d --name rankgate --network container:vllm -v hf:/data/hf:ro \
 #     -e HF_HOME=/data/hf -e RANKGATE_ENGINE=127.0.0.1:50051 -e RANKGATE_PORT=8080 rankgate
 #
+# Without RANKGATE_ENGINE (or the prefill/decode pair) the container exits at once with a
+# message naming it, instead of serving the bundled demo engine on 0.0.0.0.
+#
 # tests/deploy/test_image.py runs this file's build-stage RUN commands in a temporary
 # directory and starts the gateway from the result; keep the commands plain shell.
 
@@ -44,7 +47,8 @@ ENV PATH=/opt/rankgate/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     RANKGATE_HOST=0.0.0.0 \
-    RANKGATE_PORT=8000
+    RANKGATE_PORT=8000 \
+    RANKGATE_REQUIRE_ENGINE=true
 USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \

@@ -13,12 +13,9 @@ from __future__ import annotations
 import logging
 import sys
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import orjson
-
-if TYPE_CHECKING:
-    from app.observe import RequestRecord
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
@@ -86,6 +83,20 @@ def configure_logging(level: str, log_format: str) -> None:
         logger.propagate = True
 
 
+class FinishedRequest(Protocol):
+    """What the access log reads of a finished request (``app.observe.RequestRecord``)."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    stream: bool
+    rank: int | None
+    ranks: list[int | None] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
 class AccessLog:
     """Writes one ``request`` record per finished OpenAI request to ``rankgate.access``."""
 
@@ -95,7 +106,7 @@ class AccessLog:
         self._logger = logger or logging.getLogger(ACCESS_LOGGER)
 
     def request(
-        self, record: RequestRecord, status: int, total: float, queue: float, ttft: float
+        self, record: FinishedRequest, status: int, total: float, queue: float, ttft: float
     ) -> None:
         logger = self._logger
         if not logger.isEnabledFor(logging.INFO):

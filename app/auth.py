@@ -1,5 +1,9 @@
 """API keys: ``Authorization: Bearer <key>`` on every ``/v1`` route, optionally on /metrics.
 
+With keys set, the API's description (``/openapi.json``, ``/docs``) needs one too unless
+``--no-protect-docs`` opens it. Keys can come from ``RANKGATE_API_KEY`` or a file
+(``--api-key-file``), so that they need not appear on a command line.
+
 Keys are kept only as SHA-256 digests and every presented key is compared against every
 configured one with :func:`hmac.compare_digest`, so neither the comparison's timing nor its
 length reveals which key, or which prefix of one, was close. Keys never appear in logs, reprs
@@ -28,6 +32,8 @@ _BEARER = b"bearer "
 class AccessConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     protect_metrics: bool = False
+    # The API's description (/openapi.json, /docs) needs a key too, when keys are set.
+    protect_docs: bool = True
     # Browser origins allowed by CORS; empty turns CORS off (no CORS headers at all).
     cors_origins: tuple[str, ...] = ()
 
@@ -73,9 +79,15 @@ class ApiKeyAuth:
         self.app = app
         self._digests = tuple(_digest(key.encode()) for key in config.api_keys)
         self._metrics = config.protect_metrics
+        self._docs = config.protect_docs
 
     def protects(self, path: str) -> bool:
-        return path.startswith("/v1/") or path == "/v1" or (self._metrics and path == "/metrics")
+        return (
+            path.startswith("/v1/")
+            or path == "/v1"
+            or (self._metrics and path == "/metrics")
+            or (self._docs and (path == "/openapi.json" or path.startswith("/docs")))
+        )
 
     def allowed(self, header: bytes | None) -> bool:
         if header is None or header[:7].lower() != _BEARER:

@@ -10,22 +10,20 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from app import __version__
 from app.access_log import LOG_FORMATS, configure_logging
 from app.auth import API_KEY_ENV, AccessConfig, load_keys
+from app.connections import ConnectionLimits
 from app.limits import InputLimits
-from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from app.respond.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSERS
+from app.response_store import StoreLimits
 from app.routing_flags import add_routing_arguments, routing_from_args
 from app.settings import GatewaySettings
 from multimodal.types import MediaConfig
 from sidecar.admission import AdmissionConfig
-
-if TYPE_CHECKING:
-    import socket
-
-    from sidecar.routing.shared_load import SharedLoadBoard
 
 POLICIES = ("kv", "load", "round_robin", "engine")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -38,8 +36,10 @@ def _env(name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
         return default
     try:
         return convert(raw)
-    except ValueError:
-        raise SystemExit(f"RANKGATE_{name.upper().replace('-', '_')}={raw!r} is invalid") from None
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(
+            f"RANKGATE_{name.upper().replace('-', '_')}={raw!r} is invalid: {exc}"
+        ) from None
 
 
 def _bool(text: str) -> bool:
@@ -51,150 +51,6 @@ def _bool(text: str) -> bool:
     raise ValueError(text)
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    d = GatewaySettings()
-    a = parser.add_argument
-    a("--host", default=_env("host", d.host), help="HTTP listen address (default: %(default)s)")
-    a(
-        "--port",
-        type=int,
-        default=_env("port", d.port, int),
-        help="HTTP port (default: %(default)s)",
-    )
-    a(
-        "--engine",
-        default=_env("engine", d.engine),
-        help="vLLM gRPC endpoint HOST:PORT; without it the bundled mock engine runs in-process",
-    )
-    a(
-        "--prefill-engine",
-        default=_env("prefill_engine", d.prefill_engine),
-        help="disaggregated serving: the prefill vLLM's gRPC endpoint HOST:PORT (with "
-        "--decode-engine; instead of --engine)",
-    )
-    a(
-        "--decode-engine",
-        default=_env("decode_engine", d.decode_engine),
-        help="disaggregated serving: the decode vLLM's gRPC endpoint HOST:PORT",
-    )
-    a(
-        "--disaggregated",
-        action=argparse.BooleanOptionalAction,
-        default=_env("disaggregated", d.disaggregated, _bool),
-        help="without --prefill-engine/--decode-engine: run a bundled prefill/decode pair of "
-        "mock engines (default: off)",
-    )
-    a(
-        "--decode-handoff-timeout",
-        type=float,
-        default=_env("decode_handoff_timeout", d.decode_handoff_timeout, float),
-        help="seconds a disaggregated decode whose client left is still read for its first "
-        "token, so its KV transfer completes (default: %(default)s)",
-    )
-    a(
-        "--tokenizer",
-        default=_env("tokenizer", d.tokenizer),
-        help="tokenizer directory (default: the model dir vLLM reports, or the local HF cache)",
-    )
-    a(
-        "--served-model-name",
-        default=_env("served_model_name", d.served_model_name),
-        help="the model name clients use (default: vLLM's served name)",
-    )
-    a(
-        "--policy",
-        choices=POLICIES,
-        default=_env("policy", d.policy),
-        help="data-parallel routing policy (default: %(default)s)",
-    )
-    a(
-        "--log-level",
-        choices=LOG_LEVELS,
-        default=_env("log_level", d.log_level).lower(),
-        help="(default: %(default)s)",
-    )
-    a(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default=_env("log_format", d.log_format).lower(),
-        help="text, or json: one JSON object per line with structured fields "
-        "(default: %(default)s)",
-    )
-    a(
-        "--workers",
-        type=_workers,
-        default=_env("workers", d.workers, _workers),
-        help="gateway processes serving one port, each with its own engine channels and KV-event "
-        "subscribers, sharing per-rank load through shared memory (default: %(default)s)",
-    )
-    a("--chat-template", default=_env("chat_template", d.chat_template), help="Jinja template file")
-    a(
-        "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
-        default=_env("tool_call_parser", d.tool_call_parser),
-        help="parse tool calls from output (default: the parser vLLM names)",
-    )
-    a(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        default=_env("reasoning_parser", d.reasoning_parser),
-        help="split <think> reasoning from output (default: the parser vLLM names)",
-    )
-    a(
-        "--startup-timeout",
-        type=float,
-        default=_env("startup_timeout", d.startup_timeout, float),
-        help="seconds to wait for the engine at startup (default: %(default)s)",
-    )
-    a(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=_env("access_log", d.access_log, _bool),
-        help="one structured line per OpenAI request: id, rank, tokens, cached tokens, queue/TTFT/"
-        "total ms and status (default: off; it costs CPU per request)",
-    )
-    a(
-        "--mock-speed",
-        type=float,
-        default=_env("mock_speed", d.mock_speed, float),
-        help="bundled mock engine timing: 0 = zero latency, 1 = GPU-like (default: %(default)s)",
-    )
-    m = d.media
-    a(
-        "--media-mode",
-        choices=("fetch", "passthrough"),
-        default=_env("media_mode", m.mode),
-        help="fetch: download, validate and hash images here; passthrough: vLLM fetches http(s) "
-        "URLs, identified by a hash of the URL (default: %(default)s)",
-    )
-    a(
-        "--image-allow-network",
-        action="append",
-        metavar="CIDR",
-        default=_env("image_allow_network", None, _networks),
-        help="a network image URLs may resolve to although it is loopback, private or "
-        "link-local (repeatable; env: comma-separated)",
-    )
-    a(
-        "--max-images",
-        type=int,
-        default=_env("max_images", m.max_images, int),
-        help="images per request (default: %(default)s)",
-    )
-    a(
-        "--max-image-bytes",
-        type=int,
-        default=_env("max_image_bytes", m.max_image_bytes, int),
-        help="bytes per image, fetched or inline (default: %(default)s)",
-    )
-    a(
-        "--image-fetch-timeout",
-        type=float,
-        default=_env("image_fetch_timeout", m.total_timeout, float),
-        help="seconds for one image fetch, redirects included (default: %(default)s)",
-    )
-
-
 def _workers(text: str) -> int:
     value = int(text)
     if not 1 <= value <= MAX_WORKERS:
@@ -202,97 +58,400 @@ def _workers(text: str) -> int:
     return value
 
 
+def _networks(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One ``serve`` flag, whose default is read from ``RANKGATE_<FLAG>`` when that is set.
+
+    ``convert`` parses the flag's value (and the variable's); a ``_bool`` flag is an on/off
+    switch. ``env`` parses the variable instead when it differs (a list, a lowered name);
+    ``no_env`` flags have no variable. ``repeat`` flags may be given more than once.
+    """
+
+    flag: str
+    default: Any
+    help: str
+    convert: Callable[[str], Any] = str
+    env: Callable[[str], Any] | None = None
+    choices: Sequence[str] | None = None
+    repeat: bool = False
+    metavar: str | None = None
+    no_env: bool = False
+
+    def add(self, parser: argparse.ArgumentParser) -> None:
+        options: dict[str, Any] = {"help": self.help}
+        if self.convert is _bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif self.convert is not str:
+            options["type"] = self.convert
+        if self.repeat:
+            options["action"] = "append"
+        if self.choices is not None:
+            options["choices"] = self.choices
+        if self.metavar is not None:
+            options["metavar"] = self.metavar
+        if not self.no_env:
+            options["default"] = _env(
+                self.flag.removeprefix("--"), self.default, self.env or self.convert
+            )
+        parser.add_argument(self.flag, **options)
+
+
+def _serve_flags(d: GatewaySettings) -> tuple[Flag, ...]:
+    m = d.media
+    r = d.responses_store
+    return (
+        Flag("--host", d.host, "HTTP listen address (default: %(default)s)"),
+        Flag("--port", d.port, "HTTP port (default: %(default)s)", int),
+        Flag(
+            "--engine",
+            d.engine,
+            "vLLM gRPC endpoint HOST:PORT; without it the bundled mock engine runs in-process",
+        ),
+        Flag(
+            "--require-engine",
+            d.require_engine,
+            "refuse to start without --engine (or --prefill-engine/--decode-engine) instead of "
+            "serving the bundled demo engine; the container image sets "
+            "RANKGATE_REQUIRE_ENGINE=true (default: off)",
+            _bool,
+        ),
+        Flag(
+            "--prefill-engine",
+            d.prefill_engine,
+            "disaggregated serving: the prefill vLLM's gRPC endpoint HOST:PORT (with "
+            "--decode-engine; instead of --engine)",
+        ),
+        Flag(
+            "--decode-engine",
+            d.decode_engine,
+            "disaggregated serving: the decode vLLM's gRPC endpoint HOST:PORT",
+        ),
+        Flag(
+            "--disaggregated",
+            d.disaggregated,
+            "without --prefill-engine/--decode-engine: run a bundled prefill/decode pair of "
+            "mock engines (default: off)",
+            _bool,
+        ),
+        Flag(
+            "--decode-handoff-timeout",
+            d.decode_handoff_timeout,
+            "seconds a disaggregated decode whose client left is still read for its first "
+            "token, so its KV transfer completes, and an aborted prefill for its end "
+            "(default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--tokenizer",
+            d.tokenizer,
+            "tokenizer directory (default: the model dir vLLM reports, or the local HF cache)",
+        ),
+        Flag(
+            "--served-model-name",
+            d.served_model_name,
+            "the model name clients use (default: vLLM's served name)",
+        ),
+        Flag(
+            "--policy",
+            d.policy,
+            "data-parallel routing policy (default: %(default)s)",
+            choices=POLICIES,
+        ),
+        Flag(
+            "--log-level", d.log_level, "(default: %(default)s)", env=str.lower, choices=LOG_LEVELS
+        ),
+        Flag(
+            "--log-format",
+            d.log_format,
+            "text, or json: one JSON object per line with structured fields (default: %(default)s)",
+            env=str.lower,
+            choices=LOG_FORMATS,
+        ),
+        Flag(
+            "--workers",
+            d.workers,
+            "gateway processes serving one port, each with its own engine channels and KV-event "
+            "subscribers, sharing per-rank load through shared memory (default: %(default)s)",
+            _workers,
+        ),
+        Flag("--chat-template", d.chat_template, "Jinja template file"),
+        Flag(
+            "--tool-call-parser",
+            d.tool_call_parser,
+            "parse tool calls from output (default: the parser vLLM names)",
+            choices=TOOL_CALL_PARSERS,
+        ),
+        Flag(
+            "--reasoning-parser",
+            d.reasoning_parser,
+            "split reasoning from output (default: the parser vLLM names)",
+            choices=REASONING_PARSER_NAMES,
+        ),
+        Flag(
+            "--startup-timeout",
+            d.startup_timeout,
+            "seconds to wait for the engine at startup (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--access-log",
+            d.access_log,
+            "one structured line per OpenAI request: id, rank, tokens, cached tokens, queue/TTFT/"
+            "total ms and status (default: off; it costs CPU per request)",
+            _bool,
+        ),
+        Flag(
+            "--mock-speed",
+            d.mock_speed,
+            "bundled mock engine timing: 0 = zero latency, 1 = GPU-like (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--media-mode",
+            m.mode,
+            "fetch: download, validate and hash images here; passthrough: vLLM fetches http(s) "
+            "URLs, identified by a hash of the URL (default: %(default)s)",
+            choices=("fetch", "passthrough"),
+        ),
+        Flag(
+            "--image-allow-network",
+            None,
+            "a network image URLs may resolve to although it is loopback, private or "
+            "link-local (repeatable; env: comma-separated)",
+            env=_networks,
+            repeat=True,
+            metavar="CIDR",
+        ),
+        Flag("--max-images", m.max_images, "images per request (default: %(default)s)", int),
+        Flag(
+            "--max-image-bytes",
+            m.max_image_bytes,
+            "bytes per image, fetched or inline (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--image-fetch-timeout",
+            m.total_timeout,
+            "seconds for one image fetch, redirects included (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--otlp-traces-endpoint",
+            None,
+            "send OpenTelemetry traces of every request to this OTLP endpoint (gRPC, or "
+            "HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), continuing the "
+            "client's traceparent into vLLM; needs the tracing extra (default: off)",
+        ),
+        Flag(
+            "--responses-store-entries",
+            r.max_entries,
+            "stored responses kept per gateway process for previous_response_id and GET "
+            "/v1/responses/{id}; 0 stores none (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--responses-store-bytes",
+            r.max_bytes,
+            "bytes of stored responses per gateway process, oldest dropped first "
+            "(default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--responses-store-ttl",
+            r.ttl_s,
+            "seconds a stored response is kept (default: %(default)s)",
+            float,
+        ),
+    )
+
+
+def _hardening_flags(d: GatewaySettings) -> tuple[Flag, ...]:
+    c = d.connections
+    return (
+        Flag(
+            "--api-key",
+            None,
+            "require 'Authorization: Bearer KEY' on /v1 routes (repeatable; env "
+            f"{API_KEY_ENV}: comma-separated); without any key the API is open",
+            repeat=True,
+            metavar="KEY",
+            no_env=True,
+        ),
+        Flag(
+            "--api-key-file",
+            None,
+            "a file with one API key per line ('#' comments), added to --api-key",
+        ),
+        Flag(
+            "--protect-metrics",
+            d.access.protect_metrics,
+            "require an API key on /metrics too (default: off)",
+            _bool,
+        ),
+        Flag(
+            "--protect-docs",
+            d.access.protect_docs,
+            "with API keys set, require a key on /openapi.json and /docs too (default: on)",
+            _bool,
+        ),
+        Flag(
+            "--cors-origin",
+            None,
+            "a browser origin allowed by CORS, or '*' (repeatable; env: comma-separated); "
+            "CORS is off without one",
+            env=_networks,
+            repeat=True,
+            metavar="ORIGIN",
+        ),
+        Flag(
+            "--max-body-bytes",
+            d.limits.max_body_bytes,
+            "largest request body accepted (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-json-depth",
+            d.limits.max_json_depth,
+            "deepest JSON nesting accepted (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-json-containers",
+            d.limits.max_json_containers,
+            "most JSON arrays and objects in one body (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-json-items",
+            d.limits.max_json_items,
+            "most JSON array elements, object members and string escapes in one body "
+            "(default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-fanout",
+            d.limits.max_fanout,
+            "most engine requests one request may open (completions prompts times n); they "
+            "are admitted together (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-header-bytes",
+            c.max_header_bytes,
+            "largest request head (request line and headers) in bytes; larger is 431 "
+            "(default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-headers",
+            c.max_headers,
+            "most headers in one request; more is 431 (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--header-timeout",
+            c.header_timeout,
+            "seconds a connection has to send a request's headers, from connecting or from "
+            "its previous response (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--body-timeout",
+            c.body_timeout,
+            "seconds a request has to send its whole body after its headers (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--keepalive-timeout",
+            c.keepalive_timeout,
+            "seconds an idle keep-alive connection is kept open (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--max-connections",
+            c.max_connections,
+            "open HTTP connections per worker process; more are answered 503 and closed "
+            "(default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--admission-per-rank",
+            d.admission.per_rank,
+            "engine streams admitted per DP rank, split evenly across --workers; 0: twice "
+            "the rank's max_running_requests (default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--admission-queue",
+            d.admission.queue,
+            "requests that may wait for a slot on an eligible rank before 429 "
+            "(default: %(default)s)",
+            int,
+        ),
+        Flag(
+            "--admission-timeout",
+            d.admission.timeout,
+            "seconds a request may wait for admission before 429 (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--stream-stall-timeout",
+            d.stream_stall_timeout,
+            "seconds a client may stop reading a stream before it is cut; 0: never "
+            "(default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--shutdown-grace",
+            d.shutdown_grace,
+            "seconds in-flight requests get after SIGTERM (default: %(default)s)",
+            float,
+        ),
+        Flag(
+            "--health-interval",
+            d.health_interval,
+            "seconds between engine health checks (default: %(default)s)",
+            float,
+        ),
+    )
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag in _serve_flags(GatewaySettings()):
+        flag.add(parser)
+
+
 def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
-    d = GatewaySettings()
-    a = parser.add_argument
-    a(
-        "--api-key",
-        action="append",
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1 routes (repeatable; env "
-        f"{API_KEY_ENV}: comma-separated); without any key the API is open",
-    )
-    a(
-        "--api-key-file",
-        default=_env("api_key_file", None),
-        help="a file with one API key per line ('#' comments), added to --api-key",
-    )
-    a(
-        "--protect-metrics",
-        action=argparse.BooleanOptionalAction,
-        default=_env("protect_metrics", d.access.protect_metrics, _bool),
-        help="require an API key on /metrics too (default: off)",
-    )
-    a(
-        "--cors-origin",
-        action="append",
-        metavar="ORIGIN",
-        default=_env("cors_origin", None, _networks),
-        help="a browser origin allowed by CORS, or '*' (repeatable; env: comma-separated); "
-        "CORS is off without one",
-    )
-    a(
-        "--max-body-bytes",
-        type=int,
-        default=_env("max_body_bytes", d.limits.max_body_bytes, int),
-        help="largest request body accepted (default: %(default)s)",
-    )
-    a(
-        "--max-json-depth",
-        type=int,
-        default=_env("max_json_depth", d.limits.max_json_depth, int),
-        help="deepest JSON nesting accepted (default: %(default)s)",
-    )
-    a(
-        "--admission-per-rank",
-        type=int,
-        default=_env("admission_per_rank", d.admission.per_rank, int),
-        help="engine streams admitted per DP rank, split evenly across --workers; 0: twice "
-        "the rank's max_running_requests (default: %(default)s)",
-    )
-    a(
-        "--admission-queue",
-        type=int,
-        default=_env("admission_queue", d.admission.queue, int),
-        help="requests that may wait for a slot on an eligible rank before 429 "
-        "(default: %(default)s)",
-    )
-    a(
-        "--admission-timeout",
-        type=float,
-        default=_env("admission_timeout", d.admission.timeout, float),
-        help="seconds a request may wait for admission before 429 (default: %(default)s)",
-    )
-    a(
-        "--stream-stall-timeout",
-        type=float,
-        default=_env("stream_stall_timeout", d.stream_stall_timeout, float),
-        help="seconds a client may stop reading a stream before it is cut; 0: never "
-        "(default: %(default)s)",
-    )
-    a(
-        "--shutdown-grace",
-        type=float,
-        default=_env("shutdown_grace", d.shutdown_grace, float),
-        help="seconds in-flight requests get after SIGTERM (default: %(default)s)",
-    )
-    a(
-        "--health-interval",
-        type=float,
-        default=_env("health_interval", d.health_interval, float),
-        help="seconds between engine health checks (default: %(default)s)",
-    )
+    for flag in _hardening_flags(GatewaySettings()):
+        flag.add(parser)
 
 
 def _hardening(args: argparse.Namespace) -> dict[str, Any]:
     try:
         return {
             "limits": InputLimits(
-                max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth
+                max_body_bytes=args.max_body_bytes,
+                max_json_depth=args.max_json_depth,
+                max_json_containers=args.max_json_containers,
+                max_json_items=args.max_json_items,
+                max_fanout=args.max_fanout,
+            ),
+            "connections": ConnectionLimits(
+                max_header_bytes=args.max_header_bytes,
+                max_headers=args.max_headers,
+                header_timeout=args.header_timeout,
+                body_timeout=args.body_timeout,
+                keepalive_timeout=args.keepalive_timeout,
+                max_connections=args.max_connections,
             ),
             "access": AccessConfig(
                 api_keys=load_keys(args.api_key, args.api_key_file),
                 protect_metrics=args.protect_metrics,
+                protect_docs=args.protect_docs,
                 cors_origins=tuple(args.cors_origin or ()),
             ),
             "admission": AdmissionConfig(
@@ -303,10 +462,6 @@ def _hardening(args: argparse.Namespace) -> dict[str, Any]:
         }
     except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid hardening options: {exc}") from None
-
-
-def _networks(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _media_config(args: argparse.Namespace) -> MediaConfig:
@@ -337,6 +492,7 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
         prefill_engine=args.prefill_engine or None,
         decode_engine=args.decode_engine or None,
         disaggregated=args.disaggregated,
+        require_engine=args.require_engine,
         decode_handoff_timeout=args.decode_handoff_timeout,
         tokenizer=args.tokenizer or None,
         served_model_name=args.served_model_name or None,
@@ -355,6 +511,12 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
         stream_stall_timeout=args.stream_stall_timeout,
         shutdown_grace=args.shutdown_grace,
         health_interval=args.health_interval,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        responses_store=StoreLimits(
+            max_entries=args.responses_store_entries,
+            max_bytes=args.responses_store_bytes,
+            ttl_s=args.responses_store_ttl,
+        ),
         **_hardening(args),
     )
 
@@ -365,39 +527,9 @@ def serve(settings: GatewaySettings) -> int:
         from app.workers import run_workers
 
         return run_workers(settings)
+    from app.process import serve_worker
+
     return serve_worker(settings)
-
-
-def serve_worker(
-    settings: GatewaySettings,
-    sockets: list[socket.socket] | None = None,
-    shared_load: SharedLoadBoard | None = None,
-) -> int:
-    """One gateway process; ``sockets`` and ``shared_load`` come from the ``--workers``
-    supervisor (:mod:`app.workers`)."""
-    import uvicorn
-
-    from app.server import create_app
-    from app.shutdown import BACKSTOP_S, GracefulServer
-
-    app = create_app(settings, shared_load=shared_load)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=settings.log_level,
-        # The access log is app.access_log's structured line, not uvicorn's.
-        access_log=False,
-        log_config=None,
-        lifespan="on",
-        timeout_graceful_shutdown=int(settings.shutdown_grace + BACKSTOP_S),
-    )
-    server = GracefulServer(config, app.state.shutdown)
-    server.run(sockets=sockets)
-    # uvicorn returns normally when startup fails; report that as a failure.
-    return 0 if server.started else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

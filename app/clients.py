@@ -1,9 +1,12 @@
 """Client liveness on the generation routes: hang-ups and readers that stopped reading.
 
 uvicorn's ``send`` returns silently once the client is gone, so a stream would keep the engine
-generating until ``max_tokens``; only a pending ``receive`` learns of the disconnect. Once the
-request body has been read this middleware keeps one such ``receive`` waiting and, when the
-client leaves before the response is complete, cancels the request's task: the cancellation
+generating until ``max_tokens``; uvicorn tells only a pending ``receive`` of the disconnect.
+The gateway's own protocol tells more: it fires the request's
+:class:`~app.connections.DisconnectNotice` when the connection is lost (under another server,
+one ``receive`` is kept waiting in a task of its own instead). Once the request body has been
+read, a client that leaves before the response is complete has the request's task cancelled:
+the cancellation
 unwinds through the route, which drops the engine streams (vLLM aborts them) within
 milliseconds, whether the request is queued for admission, waiting for its first token or
 streaming.
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
+from time import monotonic
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.connections import DISCONNECT_NOTICE, DisconnectNotice
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +39,10 @@ class _Cycle:
     __slots__ = (
         "_receive",
         "_send",
+        "armed",
         "complete",
         "cut",
+        "notice",
         "owner",
         "since",
         "stalled",
@@ -44,11 +51,20 @@ class _Cycle:
         "watcher",
     )
 
-    def __init__(self, owner: ClientWatch, task: asyncio.Task[Any], receive: Receive, send: Send):
+    def __init__(
+        self,
+        owner: ClientWatch,
+        task: asyncio.Task[Any],
+        receive: Receive,
+        send: Send,
+        notice: DisconnectNotice | None,
+    ) -> None:
         self.owner = owner
         self.task = task
         self._receive = receive
         self._send = send
+        self.notice = notice
+        self.armed = False
         self.watcher: asyncio.Task[None] | None = None
         self.complete = False
         self.cut = False
@@ -59,27 +75,41 @@ class _Cycle:
     async def receive(self) -> Message:
         message = await self._receive()
         if (
-            self.watcher is None
+            not self.armed
             and message["type"] == "http.request"
             and not message.get("more_body", False)
         ):
-            self.watcher = asyncio.get_running_loop().create_task(self._watch())
+            self.armed = True
+            if self.notice is not None:
+                self.notice.listener = self._left
+            else:
+                self.watcher = asyncio.get_running_loop().create_task(self._watch())
         return message
 
     async def send(self, message: Message) -> None:
+        if self.tracked and message.get("more_body", False):
+            # A chunk amid a stream, the one case per token.
+            self.since = monotonic()
+            await self._send(message)
+            self.since = 0.0
+            return
         if message["type"] == "http.response.body":
             if not message.get("more_body", False):
                 self.complete = True
             elif not self.tracked:
                 self.tracked = True
                 self.owner.track(self)
-        self.since = time.monotonic()
+        self.since = monotonic()
         await self._send(message)
         self.since = 0.0
 
     async def _watch(self) -> None:
         message = await self._receive()
-        if message["type"] == "http.disconnect" and not self.complete:
+        if message["type"] == "http.disconnect":
+            self._left()
+
+    def _left(self) -> None:
+        if not self.complete:
             self.cancel()
 
     def cancel(self) -> None:
@@ -88,6 +118,8 @@ class _Cycle:
             self.task.cancel()
 
     def close(self) -> None:
+        if self.notice is not None:
+            self.notice.listener = None
         watcher = self.watcher
         if watcher is not None and not watcher.done():
             watcher.cancel()
@@ -110,7 +142,7 @@ class ClientWatch:
             return
         task = asyncio.current_task()
         assert task is not None
-        cycle = _Cycle(self, task, receive, send)
+        cycle = _Cycle(self, task, receive, send, scope.get(DISCONNECT_NOTICE))
         try:
             await self.app(scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:
@@ -140,7 +172,7 @@ class ClientWatch:
         try:
             while self._streams:
                 await asyncio.sleep(tick)
-                limit = time.monotonic() - self.stall_timeout
+                limit = monotonic() - self.stall_timeout
                 for cycle in [c for c in self._streams if c.since and c.since < limit]:
                     cycle.stalled = True
                     cycle.cancel()

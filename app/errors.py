@@ -90,6 +90,15 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
+# nginx's status for a request whose client closed the connection before the answer.
+CLIENT_CLOSED = 499
+
+
+def client_gone(message: str) -> ApiError:
+    """The client hung up before its request was complete; counted as 499, never answered."""
+    return ApiError(CLIENT_CLOSED, message, code="client_disconnected")
+
+
 def unsupported(param: str, why: str = "is not supported by this server") -> ApiError:
     return ApiError(400, f"`{param}` {why}", param=param, code="unsupported_parameter")
 
@@ -102,6 +111,22 @@ def model_not_found(model: str) -> ApiError:
         param="model",
         code="model_not_found",
     )
+
+
+def response_not_found(response_id: str, param: str, workers: int | None = None) -> ApiError:
+    """An unknown, expired or deleted stored response; ``workers`` when it was stored by
+    another gateway worker, whose store this one cannot read."""
+    if workers is not None:
+        return ApiError(
+            404,
+            f"Response with id '{response_id}' was not stored by this gateway worker: with "
+            f"{workers} workers, each keeps its own responses, and a follow-up must reach the "
+            "worker that stored it (run one worker, or keep the conversation client-side).",
+            param=param,
+            code="response_on_other_worker",
+        )
+    code = "previous_response_not_found" if param == "previous_response_id" else "not_found"
+    return ApiError(404, f"Response with id '{response_id}' not found.", param=param, code=code)
 
 
 def from_decode_error(exc: msgspec.MsgspecError) -> ApiError:

@@ -10,8 +10,11 @@ request this middleware does not take.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.datastructures import State
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -19,8 +22,31 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.errors import as_api_error
 
 Handler = Callable[[Request], Awaitable[Response]]
-# How deep the framework's own layers may wrap the operator-visible middleware.
-_MAX_FRAMEWORK_LAYERS = 16
+
+
+class AppState(State):
+    """Starlette's ``State`` with each value also an ordinary attribute. A hot path's
+    ``app.state.name`` is then a plain lookup, not a failed one (an ``AttributeError`` with its
+    message formatted, then dropped) followed by ``__getattr__``."""
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        super().__init__(state)
+        for key, value in self._state.items():
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key: Any, value: Any) -> None:
+        super().__setattr__(key, value)
+        object.__setattr__(self, key, value)
+
+    def __delattr__(self, key: Any) -> None:
+        super().__delattr__(key)
+        object.__delattr__(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.__setattr__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.__delattr__(key)
 
 
 class FastPathApp(FastAPI):
@@ -31,36 +57,49 @@ class FastPathApp(FastAPI):
     streamed chunk. The hot routes need none of them: :class:`FastPath` turns every error into
     the API's JSON error itself, and ``app.limits`` bounds the body. Everything added with
     ``add_middleware`` (API keys, CORS, client liveness) still runs, in the same order.
+
+    The entry is the outermost user middleware as the framework builds it: its factory is
+    wrapped, for the build, in one that keeps the instance it makes.
     """
 
     hot_paths: frozenset[str] = frozenset()
     _hot_entry: ASGIApp | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state = AppState(self.state._state)
 
     def serve_directly(self, paths: Iterable[str]) -> None:
         self.hot_paths = frozenset(paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in self.hot_paths:
-            entry = self._hot_entry or self._find_hot_entry()
+            if self.middleware_stack is None:
+                self.middleware_stack = self.build_middleware_stack()
+            entry = self._hot_entry
             if entry is not None:
                 scope["app"] = self
                 await entry(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
-    def _find_hot_entry(self) -> ASGIApp | None:
-        if self.middleware_stack is None:
-            self.middleware_stack = self.build_middleware_stack()
-        classes: set[object] = {middleware.cls for middleware in self.user_middleware}
-        layer: ASGIApp | None = self.middleware_stack
-        for _ in range(_MAX_FRAMEWORK_LAYERS):
-            if layer is None:
-                return None
-            if type(layer) in classes:
-                self._hot_entry = layer
-                return layer
-            layer = getattr(layer, "app", None)
-        return None
+    def build_middleware_stack(self) -> ASGIApp:
+        user = self.user_middleware
+        if not user:
+            return super().build_middleware_stack()
+        outermost = user[0]
+
+        def keep_entry(app: ASGIApp, *args: Any, **kwargs: Any) -> ASGIApp:
+            entry: ASGIApp = outermost.cls(app, *args, **kwargs)
+            self._hot_entry = entry
+            return entry
+
+        self.user_middleware = [Middleware(keep_entry, *outermost.args, **outermost.kwargs)]
+        self.user_middleware += user[1:]
+        try:
+            return super().build_middleware_stack()
+        finally:
+            self.user_middleware = user
 
 
 class FastPath:

@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from app.limits import InputLimits
 from app.prepare.chat import ChatPreparer, ChatSettings
 from app.prepare.completion import CompletionPreparer
 from app.prepare.media import IMAGE_PLACEHOLDERS, MediaHook
 from app.prepare.models import ModelRegistry
 from app.prepare.template import ChatTemplate
 from app.prepare.tokenizer import TextTokenizer, locate_tokenizer
-from app.respond.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from app.respond.parsers import (
+    REASONING_PARSER_NAMES,
+    TOOL_CALL_PARSERS,
+    canonical_reasoning_parser,
+    canonical_tool_parser,
+    vocabulary,
+)
 from sidecar.types import Delta, EngineInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,8 @@ class ServingOptions:
     reasoning_parser: str | None = None
     # The model's image placeholder token id, when the tokenizer's own cannot be found.
     image_token_id: int | None = None
+    # Shape limits for JSON that clients embed in strings (tool-call arguments, schemas).
+    limits: InputLimits = field(default_factory=InputLimits)
 
 
 class Gateway:
@@ -76,6 +85,7 @@ class Gateway:
             image_placeholder=placeholder,
             supports_images=info.supports_multimodal,
             image_token_id=options.image_token_id,
+            vocabulary=vocabulary(directory),
         )
         self.settings = settings
         self.models = ModelRegistry(
@@ -86,8 +96,10 @@ class Gateway:
         )
         if media is not None:
             media.configure(info)
-        self.chat = ChatPreparer(self.tokenizer, self.template, settings, media, info.ranks)
-        self.completions = CompletionPreparer(self.tokenizer, info.ranks)
+        self.chat = ChatPreparer(
+            self.tokenizer, self.template, settings, media, info.ranks, options.limits
+        )
+        self.completions = CompletionPreparer(self.tokenizer, info.ranks, options.limits)
         log.info(
             "tokenizer %s; chat template %s; tool-call parser %s; reasoning parser %s",
             directory,
@@ -99,12 +111,18 @@ class Gateway:
 
 def _parser(operator: str | None, engine: str, what: str) -> str | None:
     """The operator's choice wins; vLLM's is used when this gateway knows it."""
-    known = TOOL_CALL_PARSERS if what == "tool call" else REASONING_PARSERS
+    tool = what == "tool call"
+    canonical = canonical_tool_parser if tool else canonical_reasoning_parser
+    known = TOOL_CALL_PARSERS if tool else REASONING_PARSER_NAMES
     if operator:
-        if operator not in known:
+        name = canonical(operator)
+        if name is None:
             raise ValueError(f"unknown {what} parser {operator!r}; known: {', '.join(known)}")
-        return operator
-    if engine and engine not in known:
+        return name
+    if not engine:
+        return None
+    name = canonical(engine)
+    if name is None:
         log.warning(
             "vLLM names %s parser %r, which this gateway does not implement; output is returned "
             "as plain text (known: %s)",
@@ -112,5 +130,4 @@ def _parser(operator: str | None, engine: str, what: str) -> str | None:
             engine,
             ", ".join(known),
         )
-        return None
-    return engine or None
+    return name

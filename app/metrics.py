@@ -13,24 +13,34 @@ the Prometheus families when ``/metrics`` is scraped, instead of locked client-l
 increments on every request.
 
 With ``--workers N`` prometheus-client runs in multi-process mode (``PROMETHEUS_MULTIPROC_DIR``
-set before it is imported): every worker's counters and histograms live in files that any
-worker can merge when scraped. Live views (the router's per-rank load, engine health) are
-collectors of the scraped worker, added to the merged families by name.
+set before it is imported), and any worker's ``/metrics`` reports the whole gateway. The
+per-request numbers stay plain additions in each worker too (the library's multi-process
+values take a lock and write a memory-mapped file for every increment, several times per
+request): a worker writes them to its own snapshot file in that directory at most once a
+second and whenever it is scraped, and the scraped worker adds every worker's file up; the
+router's per-request tally (``sidecar.routing.metrics.RouteTally``) travels in the same file.
+The in-flight gauge stays live through the library's files, since it must never lag. Live views
+(the router's per-rank load, engine health) are collectors of the scraped worker, added to
+the merged families by name.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
+import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
 
+import orjson
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
     Gauge,
-    Histogram,
     generate_latest,
 )
 from prometheus_client.core import (
@@ -41,15 +51,18 @@ from prometheus_client.core import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
+from sidecar.plain_metrics import PlainHistogram, merge_count
+from sidecar.routing.metrics import RouteTally, routing_metrics
 from sidecar.types import EngineInfo
 
-ENDPOINTS = ("chat", "completions")
+ENDPOINTS = ("chat", "completions", "responses")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # (endpoint, status, model) series beyond this share the model label "other".
 MAX_REQUEST_SERIES = 512
+# A worker's per-request numbers reach its snapshot file within this long (--workers).
+SNAPSHOT_INTERVAL_S = 1.0
+SNAPSHOT_PREFIX = "rankgate_requests_"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TTFT_BUCKETS = (
@@ -181,54 +194,34 @@ class _EngineCollector(Collector):
             yield info
 
 
-class _Histogram:
-    """One histogram series as plain numbers: counts per bucket (the last is +Inf) and sum."""
-
-    __slots__ = ("bounds", "counts", "created", "labels", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.labels = _bucket_labels(bounds)
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-        self.created = time.time()
-
-    def observe(self, value: float) -> None:
-        # ``le`` buckets: the first bound at or above the value.
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def add_to(self, family: HistogramMetricFamily, endpoint: str) -> None:
-        cumulative = 0.0
-        buckets: list[tuple[str, float]] = []
-        for label, count in zip(self.labels, self.counts, strict=True):
-            cumulative += count
-            buckets.append((label, cumulative))
-        family.add_metric([endpoint], buckets, self.total)
-        family.samples.append(
-            Sample(family.name + "_created", {"endpoint": endpoint}, self.created)
-        )
-
-
-def _bucket_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
-    """The ``le`` values prometheus-client writes for ``bounds`` and +Inf."""
-    labels: list[str] = [floatToGoString(b) for b in bounds]  # type: ignore[no-untyped-call]
-    return (*labels, "+Inf")
-
-
 class _Endpoint:
-    """What one endpoint's finished requests add up to (single-process mode)."""
+    """What one endpoint's finished requests add up to."""
 
     __slots__ = ("completion", "created", "inter_token", "latency", "prompt", "queue", "ttft")
 
     def __init__(self) -> None:
-        self.latency = _Histogram(LATENCY_BUCKETS)
-        self.ttft = _Histogram(TTFT_BUCKETS)
-        self.inter_token = _Histogram(ITL_BUCKETS)
-        self.queue = _Histogram(QUEUE_BUCKETS)
+        self.latency = PlainHistogram(LATENCY_BUCKETS)
+        self.ttft = PlainHistogram(TTFT_BUCKETS)
+        self.inter_token = PlainHistogram(ITL_BUCKETS)
+        self.queue = PlainHistogram(QUEUE_BUCKETS)
         self.prompt = 0
         self.completion = 0
         self.created = time.time()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **{attribute: getattr(self, attribute).state() for _, _, attribute in _HISTOGRAMS},
+            "prompt": self.prompt,
+            "completion": self.completion,
+            "created": self.created,
+        }
+
+    def merge(self, state: dict[str, Any]) -> None:
+        for _, _, attribute in _HISTOGRAMS:
+            getattr(self, attribute).merge(state[attribute])
+        self.prompt += state["prompt"]
+        self.completion += state["completion"]
+        self.created = min(self.created, state["created"])
 
 
 class _Count:
@@ -255,8 +248,12 @@ class _LocalRecorder(Collector):
     library would expose for the same metrics.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight: bool = True, routing: RouteTally | None = None) -> None:
         self.in_flight = _Count()
+        self._has_in_flight = in_flight
+        # The router's per-request numbers travel with these between workers (see
+        # GatewayMetrics); in one process the router's registry shows them itself.
+        self.routing = routing
         self.endpoints = {e: _Endpoint() for e in ENDPOINTS}
         # (endpoint, status, model) -> [count, created]
         self.requests: dict[tuple[str, str, str], list[float]] = {}
@@ -301,77 +298,141 @@ class _LocalRecorder(Collector):
         for name, doc, attribute in _HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=["endpoint"])
             for endpoint, series in endpoints:
-                getattr(series, attribute).add_to(family, endpoint)
+                getattr(series, attribute).add_to(family, {"endpoint": endpoint})
             yield family
         for name, doc, attribute in _TOKEN_COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=["endpoint"])
             for endpoint, series in endpoints:
                 counter.add_metric([endpoint], getattr(series, attribute), created=series.created)
             yield counter
-        gauge = GaugeMetricFamily(_IN_FLIGHT[0], _IN_FLIGHT[1])
-        gauge.add_metric([], float(self.in_flight.value))
-        yield gauge
+        if self._has_in_flight:
+            gauge = GaugeMetricFamily(_IN_FLIGHT[0], _IN_FLIGHT[1])
+            gauge.add_metric([], float(self.in_flight.value))
+            yield gauge
+        if self.routing is not None:
+            yield from self.routing.collect()
 
-
-class _SharedRecorder:
-    """Per-request metrics in prometheus-client's multi-process files (``--workers N``):
-    every worker writes its own, and whichever worker is scraped merges them all."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        name, doc, labels = _REQUESTS
-        self.requests = Counter(name, doc, labels, registry=registry)
-        histograms = {
-            attribute: Histogram(name, doc, ("endpoint",), registry=registry, buckets=buckets)
-            for (name, doc, attribute), buckets in zip(_HISTOGRAMS, _BUCKETS, strict=True)
+    def state(self) -> dict[str, Any]:
+        # Copied first: a scrape reads this from a thread while the loop may add a series.
+        state = {
+            "requests": [[*labels, *value] for labels, value in list(self.requests.items())],
+            "endpoints": {e: series.state() for e, series in self.endpoints.items()},
         }
-        tokens = {
-            attribute: Counter(name, doc, ("endpoint",), registry=registry)
-            for name, doc, attribute in _TOKEN_COUNTERS
-        }
-        self.in_flight = Gauge(
+        if self.routing is not None:
+            state["routing"] = self.routing.state()
+        return state
+
+    def merge(self, state: dict[str, Any]) -> None:
+        for endpoint, status, model, count, created in state["requests"]:
+            merge_count(self.requests, (endpoint, status, model), count, created)
+        for endpoint, series in state["endpoints"].items():
+            if endpoint in self.endpoints:
+                self.endpoints[endpoint].merge(series)
+        if self.routing is not None and "routing" in state:
+            self.routing.merge(state["routing"])
+
+
+class _SnapshotRecorder(_LocalRecorder):
+    """The per-request numbers of one of several workers: plain additions, written to this
+    worker's snapshot file in the multi-process directory (see the module docstring), with
+    the in-flight gauge in the library's files. A scrape of another worker asks for a fresh
+    file with :data:`FLUSH_SIGNAL`."""
+
+    def __init__(self, registry: CollectorRegistry, directory: str, routing: RouteTally) -> None:
+        super().__init__(in_flight=False, routing=routing)
+        self.in_flight = Gauge(  # type: ignore[assignment]
             _IN_FLIGHT[0], _IN_FLIGHT[1], registry=registry, multiprocess_mode="livesum"
         )
-        # Label children bound once; (status, model) pairs on first use, with a ceiling.
-        self._series = {
-            e: (
-                histograms["latency"].labels(e),
-                histograms["queue"].labels(e),
-                histograms["ttft"].labels(e),
-                histograms["inter_token"].labels(e),
-                tokens["prompt"].labels(e),
-                tokens["completion"].labels(e),
-            )
-            for e in ENDPOINTS
-        }
-        self._requests: dict[tuple[str, int, str], Counter] = {}
+        self._path = Path(directory) / f"{SNAPSHOT_PREFIX}{os.getpid()}.json"
+        self._start = _start_time(os.getpid())
+        self._due = False
 
     def observe(self, done: Observation) -> None:
-        key = (done.endpoint, done.status, done.model)
-        counter = self._requests.get(key)
-        if counter is None:
-            counter = self._bind(key)
-        counter.inc()
-        latency, queue, ttft, inter_token, prompt, completion = self._series[done.endpoint]
-        latency.observe(done.total)
-        if done.queue > 0.0:
-            queue.observe(done.queue)
-        if done.ttft > 0.0:
-            ttft.observe(done.ttft)
-        if done.inter_token >= 0.0:
-            inter_token.observe(done.inter_token)
-        if done.prompt_tokens:
-            prompt.inc(done.prompt_tokens)
-        if done.completion_tokens:
-            completion.inc(done.completion_tokens)
+        super().observe(done)
+        if self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.write()  # no event loop to wait on: write now
+            return
+        self._due = True
+        loop.call_later(SNAPSHOT_INTERVAL_S, self._scheduled)
 
-    def _bind(self, key: tuple[str, int, str]) -> Counter:
-        endpoint, status, model = key
-        if len(self._requests) >= MAX_REQUEST_SERIES:
-            model = "other"
-        counter = self.requests.labels(endpoint, str(status), model)
-        if len(self._requests) < 2 * MAX_REQUEST_SERIES:
-            self._requests[key] = counter
-        return counter
+    def _scheduled(self) -> None:
+        self._due = False
+        self.write()
+
+    def write(self) -> None:
+        """This worker's numbers to its file, replaced whole so a reader never sees half."""
+        state = {"start": self._start, "written": time.time(), **self.state()}
+        temporary = self._path.with_suffix(f".{threading.get_ident()}.tmp")
+        temporary.write_bytes(orjson.dumps(state))
+        os.replace(temporary, self._path)
+
+
+# Sent by the scraped worker to its sibling workers: write your snapshot now.
+FLUSH_SIGNAL = signal.SIGUSR1
+# How long a scrape waits for the siblings' fresh snapshots.
+FLUSH_WAIT_S = 0.25
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), so a reused pid is never mistaken."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _siblings(directory: str) -> dict[int, Path]:
+    """The other live workers with a snapshot: children of this worker's supervisor that are
+    the very processes that wrote those files."""
+    parent = os.getppid()
+    try:
+        children = {
+            int(pid) for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        }
+    except (OSError, ValueError):
+        return {}
+    found: dict[int, Path] = {}
+    for path in Path(directory).glob(f"{SNAPSHOT_PREFIX}*.json"):
+        pid = int(path.stem.removeprefix(SNAPSHOT_PREFIX) or 0)
+        if pid == os.getpid() or pid not in children:
+            continue
+        with contextlib.suppress(OSError, orjson.JSONDecodeError, TypeError):
+            if orjson.loads(path.read_bytes()).get("start") == _start_time(pid):
+                found[pid] = path
+    return found
+
+
+def refresh_siblings(directory: str) -> None:
+    """Ask every sibling worker for a fresh snapshot and wait (briefly) until each has
+    written one; run off the event loop."""
+    asked = time.time()
+    waiting = _siblings(directory)
+    for pid in list(waiting):
+        try:
+            os.kill(pid, FLUSH_SIGNAL)
+        except OSError:
+            waiting.pop(pid)
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.002)
+        for pid, path in list(waiting.items()):
+            with contextlib.suppress(OSError, orjson.JSONDecodeError, TypeError):
+                if orjson.loads(path.read_bytes()).get("written", 0) >= asked:
+                    waiting.pop(pid)
+
+
+def merged_snapshots(directory: str) -> _LocalRecorder:
+    """Every worker's per-request numbers, added up (a file that cannot be read is skipped:
+    it is replaced whole, so that only happens while its worker is being removed)."""
+    merged = _LocalRecorder(in_flight=False, routing=RouteTally())
+    for path in sorted(Path(directory).glob(f"{SNAPSHOT_PREFIX}*.json")):
+        with contextlib.suppress(OSError, orjson.JSONDecodeError, ValueError, KeyError):
+            merged.merge(orjson.loads(path.read_bytes()))
+    return merged
 
 
 _REQUESTS = (
@@ -402,7 +463,6 @@ _HISTOGRAMS = (
         "queue",
     ),
 )
-_BUCKETS = (LATENCY_BUCKETS, TTFT_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS)
 _TOKEN_COUNTERS = (
     (
         "rankgate_prompt_tokens",
@@ -419,12 +479,14 @@ class GatewayMetrics:
         self.registry = registry
         self.multiproc_dir = os.environ.get(MULTIPROC_ENV) or None
         self._engine = _EngineCollector()
-        recorder: _LocalRecorder | _SharedRecorder
+        recorder: _LocalRecorder
         if self.multiproc_dir is None:
             recorder = _LocalRecorder()
             registry.register(recorder)
         else:
-            recorder = _SharedRecorder(registry)
+            recorder = _SnapshotRecorder(
+                registry, self.multiproc_dir, routing_metrics(registry).tally
+            )
         registry.register(self._engine)
         self._recorder = recorder
         self.in_flight: _Count | Gauge = recorder.in_flight
@@ -434,13 +496,28 @@ class GatewayMetrics:
         """Report engine health from ``probe`` (None: no engine yet)."""
         self._engine.probe = probe
 
+    def flush(self) -> None:
+        """Write what this worker has counted to its snapshot file now (at shutdown)."""
+        if isinstance(self._recorder, _SnapshotRecorder):
+            self._recorder.write()
+
+    def answer_flushes(self, loop: asyncio.AbstractEventLoop) -> None:
+        """With several workers: write a fresh snapshot whenever a sibling asks."""
+        if isinstance(self._recorder, _SnapshotRecorder):
+            loop.add_signal_handler(FLUSH_SIGNAL, self._recorder.write)
+
     def exposition(self) -> tuple[bytes, str]:
         """The ``/metrics`` body and content type."""
         if self.multiproc_dir is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        recorder = self._recorder
+        if isinstance(recorder, _SnapshotRecorder):
+            recorder.write()
+            refresh_siblings(self.multiproc_dir)
         merged = CollectorRegistry()
         collector = MultiProcessCollector(None, self.multiproc_dir)  # type: ignore[no-untyped-call]
         shared: list[Metric] = list(collector.collect())  # type: ignore[no-untyped-call]
+        shared += merged_snapshots(self.multiproc_dir).collect()
         names = {family.name for family in shared}
         local = [f for f in self.registry.collect() if f.name not in names and f.samples]
         merged.register(_Families(shared + local))

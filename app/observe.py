@@ -9,8 +9,9 @@ costs two clock reads and a few attribute stores.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Callable
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -18,6 +19,9 @@ from app.access_log import AccessLog
 from app.metrics import GatewayMetrics, Observation
 from app.respond.merge import close_stream
 from sidecar.types import Delta
+
+if TYPE_CHECKING:
+    from app.tracing import RequestSpans
 
 
 class RequestRecord:
@@ -38,6 +42,7 @@ class RequestRecord:
         "started",
         "stream",
         "submitted",
+        "trace",
     )
 
     def __init__(self, endpoint: str, request_id: str, client_named: bool = False) -> None:
@@ -59,6 +64,8 @@ class RequestRecord:
         self.rank: int | None = None
         self.ranks: list[int | None] | None = None
         self.finished = False
+        # The request's spans when tracing is on.
+        self.trace: RequestSpans | None = None
 
     def on_first_delta(self, delta: Delta) -> None:
         """A choice's first delta: count its prompt once per prompt (choice 0 of each)."""
@@ -94,40 +101,47 @@ class RequestRecord:
 class Tracked:
     """The engine's delta stream, unchanged, with its timings and counts noted on the record.
 
-    ``async for`` runs straight on one async generator: an item costs a generator resume
-    rather than a new coroutine per ``__anext__`` call.
+    A plain iterator, not an async generator: a generator costs its first step (the event
+    loop's first-iteration hook and a weak set entry) and an ``aclose`` per request, more
+    than a non-streaming answer spends iterating. A long stream is read through
+    :meth:`unwrap` instead, with no wrapper per delta at all.
     """
 
-    __slots__ = ("_inner", "_record", "_steps")
+    __slots__ = ("_inner", "_record")
 
     def __init__(self, inner: AsyncIterator[Delta], record: RequestRecord) -> None:
         self._inner = inner
         self._record = record
-        self._steps = self._track()
         record.submitted = perf_counter()
 
-    def __aiter__(self) -> AsyncIterator[Delta]:
-        return self._steps
+    def __aiter__(self) -> Tracked:
+        return self
 
-    def __anext__(self) -> Awaitable[Delta]:
-        return self._steps.__anext__()
+    async def __anext__(self) -> Delta:
+        delta = await self._inner.__anext__()
+        self.note(delta)
+        return delta
 
-    async def _track(self) -> AsyncGenerator[Delta, None]:
+    def note(self, delta: Delta) -> None:
+        """Note ``delta`` on the record, as iterating this stream does for each delta."""
         record = self._record
-        async for delta in self._inner:
-            if delta.token_ids:
-                now = perf_counter()
-                if not record.first_token:
-                    record.first_token = now
-                record.last_token = now
-            if delta.prompt_tokens is not None:
-                record.on_first_delta(delta)
-            if delta.completion_tokens is not None:
-                record.completion_tokens += delta.completion_tokens
-            yield delta
+        if delta.token_ids:
+            now = perf_counter()
+            if not record.first_token:
+                record.first_token = now
+            record.last_token = now
+        if delta.prompt_tokens is not None:
+            record.on_first_delta(delta)
+        if delta.completion_tokens is not None:
+            record.completion_tokens += delta.completion_tokens
+
+    def unwrap(self) -> tuple[AsyncIterator[Delta], Callable[[Delta], None]]:
+        """The stream under this one and :meth:`note`, for a consumer that iterates the
+        stream itself and notes each delta. Closing this object still closes the inner
+        stream."""
+        return self._inner, self.note
 
     async def aclose(self) -> None:
-        await self._steps.aclose()
         await close_stream(self._inner)
 
 
@@ -149,6 +163,9 @@ class RequestObserver:
         if record.finished:
             return
         record.finished = True
+        trace = record.trace
+        if trace is not None:
+            trace.end(status)
         self.metrics.in_flight.dec()
         total, queue, ttft, inter = record.timings()
         self.metrics.observe(

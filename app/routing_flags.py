@@ -123,10 +123,10 @@ TUNABLES: tuple[Tunable, ...] = (
         intake=True,
     ),
     Tunable(
-        "--kv-poll-interval",
-        "poll_interval",
+        "--kv-coalesce",
+        "coalesce",
         float,
-        "seconds the KV-event thread waits in one poll",
+        "seconds the KV-event thread lets batches gather after a wake-up with work (0: none)",
         intake=True,
     ),
     Tunable(

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -24,14 +22,17 @@ from app.access_log import AccessLog
 from app.admission import AdmissionCollector
 from app.auth import install_access
 from app.clients import ClientWatch
+from app.demo import demo_engines
 from app.errors import install_error_handlers
 from app.fastpath import FastPath, FastPathApp
 from app.gateway import Engine, Gateway, ServingOptions
+from app.gc_tuning import tune_after_startup
 from app.metrics import EngineProbe, GatewayMetrics
 from app.observe import RequestObserver
 from app.prepare.media import MediaHook
 from app.prepare.tokenizer import TokenizerNotFound, locate_tokenizer
-from app.routes import chat, completions, models, ops
+from app.response_store import ResponseStore
+from app.routes import chat, completions, models, ops, responses, tokenize
 from app.schemas.openapi import install_openapi
 from app.settings import GatewaySettings
 from app.shutdown import Shutdown
@@ -42,43 +43,12 @@ from sidecar.routing.shared_load import SharedLoadBoard
 from sidecar.types import EngineInfo
 
 if TYPE_CHECKING:
-    from mocker.config import MockEngineConfig
+    from app.tracing import Tracing
+    from sidecar.disagg import DisaggregatedEngine
+    from sidecar.engine import Sidecar
+    from sidecar.routing.base import Router
 
 log = logging.getLogger(__name__)
-
-MOCK_MODEL = "rankgate-mock"
-MOCK_DP = 2
-
-
-def tiny_tokenizer_dir() -> Path:
-    """The tokenizer shipped inside the package for the embedded mock engine."""
-    import mocker
-
-    return Path(mocker.__file__).resolve().parent / "assets" / "tiny-tokenizer"
-
-
-def _free_port_pair() -> int:
-    """A base port P with P and P+1 free (one KV-event socket per mock DP rank)."""
-    for _ in range(64):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + MOCK_DP > 65535:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port pair for the mock engine's KV events")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def create_app(
@@ -87,11 +57,15 @@ def create_app(
     engine: Engine | None = None,
     media: MediaHook | None = None,
     shared_load: SharedLoadBoard | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here.
 
-    ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1).
+    ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1);
+    ``tracing`` replaces the OTLP tracer that ``otlp_traces_endpoint`` would build.
     """
+    if tracing is None and settings.otlp_traces_endpoint:
+        tracing = _tracing(settings.otlp_traces_endpoint)
     registry = CollectorRegistry()
     shutdown = Shutdown(settings.shutdown_grace)
     options = ServingOptions(
@@ -100,6 +74,7 @@ def create_app(
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
         image_token_id=settings.routing.image_token_id,
+        limits=settings.limits,
     )
 
     @asynccontextmanager
@@ -124,6 +99,8 @@ def create_app(
                     # event, not a cut.
                     shutdown.on_expiry(close)
                 app.state.metrics.watch_engine(_engine_probe(serving))
+                app.state.metrics.answer_flushes(asyncio.get_running_loop())
+                tune_after_startup()
             except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
                 log.error("startup failed: %s", getattr(exc, "message", None) or exc)
                 raise
@@ -131,7 +108,11 @@ def create_app(
                 yield
             finally:
                 app.state.metrics.watch_engine(None)
+                app.state.metrics.flush()
                 app.state.gateway = None
+                if tracing is not None:
+                    # Flushes the spans still queued for export.
+                    await asyncio.to_thread(tracing.shutdown)
 
     app = FastPathApp(
         title="Rankgate",
@@ -148,22 +129,37 @@ def create_app(
         app.state.metrics, AccessLog() if settings.access_log else None
     )
     app.state.started_at = int(time.time())
+    # The bundled mock engine, not a vLLM: /v1/models says so.
+    app.state.demo = engine is None and settings.demo
     app.state.limits = settings.limits
+    app.state.tracing = tracing
+    app.state.responses = ResponseStore(settings.responses_store, workers=settings.workers)
     registry.register(AdmissionCollector(lambda: _admission_of(app)))
     app.state.shutdown = shutdown
     install_error_handlers(app)
     hot = {
         "/v1/chat/completions": chat.create_chat_completion,
         "/v1/completions": completions.create_completion,
+        "/v1/responses": responses.create_response,
     }
     app.add_middleware(FastPath, routes=hot)
     app.serve_directly(hot)
     app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
     install_access(app, settings.access)
-    for module in (chat, completions, models, ops):
+    for module in (chat, completions, responses, tokenize, models, ops):
         app.include_router(module.router)
     install_openapi(app)
     return app
+
+
+def _tracing(endpoint: str) -> Tracing:
+    try:
+        from app.tracing import Tracing
+    except ImportError as exc:
+        raise ValueError(
+            f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'rankgate[tracing]' ({exc})"
+        ) from None
+    return Tracing.to_endpoint(endpoint)
 
 
 async def _start_sidecar(
@@ -173,34 +169,43 @@ async def _start_sidecar(
     stack: AsyncExitStack,
     shared_load: SharedLoadBoard | None,
 ) -> Engine:
-    from sidecar.config import SidecarConfig
-    from sidecar.engine import Sidecar
+    from sidecar.disagg import DisaggregatedEngine, routing_for
     from sidecar.routing.policy import build_router
 
-    if settings.split_serving:
-        return await _start_disaggregated(settings, registry, stack, shared_load)
-    endpoint = settings.engine
-    if endpoint is None:
-        endpoint = await _start_mock(settings, stack)
-    router = build_router(
-        settings.routing_config(),
-        registry,
-        shared_load,
+    settings = await asyncio.to_thread(stack.enter_context, demo_engines(settings))
+    routing = settings.routing_config()
+    serving: Sidecar | DisaggregatedEngine
+    if settings.prefill_engine is not None and settings.decode_engine is not None:
+        # Each side has its own router. Only the decode side's routing metrics are exported
+        # and shared between workers: both sides' ranks would share the same labels and
+        # load-board slots.
+        routing = routing_for(routing)
+        prefill = build_router(routing, CollectorRegistry())
+        decode = build_router(routing, registry, shared_load)
+        serving = DisaggregatedEngine(
+            _sidecar(settings, settings.prefill_engine, prefill),
+            _sidecar(settings, settings.decode_engine, decode),
+        )
+    else:
+        assert settings.engine is not None  # demo_engines filled it in when it was not given
+        serving = _sidecar(settings, settings.engine, build_router(routing, registry, shared_load))
+    await serving.start()
+    stack.push_async_callback(serving.close)
+    return serving
+
+
+def _sidecar(settings: GatewaySettings, endpoint: str, router: Router) -> Sidecar:
+    from sidecar.config import SidecarConfig
+    from sidecar.engine import Sidecar
+
+    config = SidecarConfig(
+        endpoint=endpoint,
+        startup_timeout=settings.startup_timeout,
+        served_model_name=settings.served_model_name,
+        health_interval=settings.health_interval,
+        decode_handoff_timeout=settings.decode_handoff_timeout,
     )
-    sidecar = Sidecar(
-        SidecarConfig(
-            endpoint=endpoint,
-            startup_timeout=settings.startup_timeout,
-            served_model_name=settings.served_model_name,
-            health_interval=settings.health_interval,
-            decode_handoff_timeout=settings.decode_handoff_timeout,
-        ),
-        router,
-        Admission(settings.admission, settings.workers),
-    )
-    await sidecar.start()
-    stack.push_async_callback(sidecar.close)
-    return sidecar
+    return Sidecar(config, router, Admission(settings.admission, settings.workers))
 
 
 def _admission_of(app: FastAPI) -> Admission | None:
@@ -216,77 +221,3 @@ def _engine_probe(engine: Engine) -> EngineProbe:
         return ready, engine.info if ready else None
 
     return probe
-
-
-async def _start_disaggregated(
-    settings: GatewaySettings,
-    registry: CollectorRegistry,
-    stack: AsyncExitStack,
-    shared_load: SharedLoadBoard | None,
-) -> Engine:
-    """Two sidecars, each with its own router. Only the decode side's routing metrics are
-    exported and shared between workers: both sides' ranks would share the same labels and
-    load-board slots."""
-    from sidecar.config import SidecarConfig
-    from sidecar.disagg import DisaggregatedEngine, routing_for
-    from sidecar.engine import Sidecar
-    from sidecar.routing.policy import build_router
-
-    prefill, decode = settings.prefill_engine, settings.decode_engine
-    if prefill is None or decode is None:
-        prefill = await _start_mock(settings, stack, role="prefill")
-        decode = await _start_mock(settings, stack, role="decode")
-
-    routing = routing_for(settings.routing_config())
-
-    def side(endpoint: str, metrics: CollectorRegistry, load: SharedLoadBoard | None) -> Sidecar:
-        config = SidecarConfig(
-            endpoint=endpoint,
-            startup_timeout=settings.startup_timeout,
-            served_model_name=settings.served_model_name,
-            health_interval=settings.health_interval,
-            decode_handoff_timeout=settings.decode_handoff_timeout,
-        )
-        admission = Admission(settings.admission, settings.workers)
-        return Sidecar(config, build_router(routing, metrics, load), admission)
-
-    engine = DisaggregatedEngine(
-        side(prefill, CollectorRegistry(), None), side(decode, registry, shared_load)
-    )
-    await engine.start()
-    stack.push_async_callback(engine.close)
-    return engine
-
-
-async def _start_mock(settings: GatewaySettings, stack: AsyncExitStack, role: str = "both") -> str:
-    from mocker.testing import running_mock_engine
-
-    config = mock_engine_config(settings, role)
-    handle = await asyncio.to_thread(stack.enter_context, running_mock_engine(config))
-    log.info(
-        "started the bundled mock engine (DP=%d, KV events on, role %s) at %s",
-        MOCK_DP,
-        role,
-        handle.target,
-    )
-    return str(handle.target)
-
-
-def mock_engine_config(settings: GatewaySettings, role: str = "both") -> MockEngineConfig:
-    """The bundled mock engine's configuration (no ``--engine``): DP=2 on free loopback ports;
-    ``role`` prefill or decode for the ``--disaggregated`` pair."""
-    from mocker.config import MockEngineConfig
-
-    tokenizer = settings.tokenizer or str(tiny_tokenizer_dir())
-    return MockEngineConfig(
-        host="127.0.0.1",
-        port=_free_port(),
-        dp_size=MOCK_DP,
-        model=MOCK_MODEL,
-        tokenizer=tokenizer,
-        model_id=tokenizer,
-        kv_events_port=_free_port_pair(),
-        kv_replay_port=_free_port_pair(),
-        speed=settings.mock_speed,
-        role=role,  # type: ignore[arg-type]
-    )

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from app.auth import AccessConfig
+from app.connections import ConnectionLimits
 from app.limits import InputLimits
+from app.response_store import StoreLimits
 from multimodal.types import MediaConfig
 from sidecar.admission import AdmissionConfig
 from sidecar.routing.policy import RoutingConfig
@@ -24,6 +26,10 @@ class GatewaySettings:
     prefill_engine: str | None = None
     decode_engine: str | None = None
     disaggregated: bool = False
+    # Refuse to start without an engine rather than serve the bundled demo (the container).
+    require_engine: bool = False
+    # The engine endpoints are the bundled demo engines' (set by app.demo.demo_engines).
+    demo_engines: bool = False
     # Seconds a decode request whose client left is still read for its first token.
     decode_handoff_timeout: float = 30.0
     tokenizer: str | None = None
@@ -45,6 +51,8 @@ class GatewaySettings:
     media: MediaConfig = field(default_factory=MediaConfig)
     # Hardening: body limits, API keys and CORS, admission control, client liveness, shutdown.
     limits: InputLimits = field(default_factory=InputLimits)
+    # HTTP connections: header size and count, header/body/keep-alive timeouts, a cap.
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     access: AccessConfig = field(default_factory=AccessConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Seconds a stream's client may stop reading before the stream is cut; 0 never cuts.
@@ -53,6 +61,10 @@ class GatewaySettings:
     shutdown_grace: float = 30.0
     # How often the engine's health is checked (readiness, re-discovery after a restart).
     health_interval: float = 1.0
+    # OTLP endpoint for OpenTelemetry traces (vLLM's ``--otlp-traces-endpoint``); None: off.
+    otlp_traces_endpoint: str | None = None
+    # Stored responses (``store: true`` on /v1/responses): bounds of the in-memory store.
+    responses_store: StoreLimits = field(default_factory=StoreLimits)
     # Routing tunables (the ``routing`` flags); ``policy`` above selects the policy itself.
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
@@ -72,8 +84,20 @@ class GatewaySettings:
                 "--engine (one aggregated engine) cannot be combined with --prefill-engine, "
                 "--decode-engine or --disaggregated"
             )
+        if self.require_engine and self.demo:
+            raise ValueError(
+                "no engine to serve: set RANKGATE_ENGINE (--engine) to vLLM's gRPC HOST:PORT, or "
+                "RANKGATE_PREFILL_ENGINE and RANKGATE_DECODE_ENGINE; RANKGATE_REQUIRE_ENGINE "
+                "(--require-engine, set in the container image) refuses the bundled demo engine"
+            )
         if self.decode_handoff_timeout < 0:
             raise ValueError("--decode-handoff-timeout must be >= 0")
+
+    @property
+    def demo(self) -> bool:
+        """The bundled mock engine (or mock pair) serves made-up text: no engine was given,
+        or the ones named are the demo's (:func:`app.demo.demo_engines`)."""
+        return self.demo_engines or (self.engine is None and self.prefill_engine is None)
 
     @property
     def split_serving(self) -> bool:

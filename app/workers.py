@@ -33,13 +33,14 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
 from app.access_log import configure_logging
-from app.metrics import MULTIPROC_ENV
+from app.demo import demo_engines
+from app.metrics import FLUSH_SIGNAL, MULTIPROC_ENV, SNAPSHOT_PREFIX
 from app.settings import GatewaySettings
 from sidecar.routing.shared_load import SharedLoadBoard
 
@@ -74,7 +75,9 @@ def worker_main(
     settings: GatewaySettings, worker: int, sock: socket.socket, board_name: str
 ) -> None:
     """A worker process: one gateway on the supervisor's socket and its row of the board."""
-    from app.cli import serve_worker
+    # A sibling's scrape may ask for this worker's metrics before its loop can answer.
+    signal.signal(FLUSH_SIGNAL, signal.SIG_IGN)
+    from app.process import serve_worker
 
     configure_logging(settings.log_level, settings.log_format)
     board = SharedLoadBoard.attach(board_name, settings.workers, worker)
@@ -212,7 +215,7 @@ def _metrics_directory() -> Iterator[str]:
     given = os.environ.get(MULTIPROC_ENV)
     if given:
         Path(given).mkdir(parents=True, exist_ok=True)
-        for stale in Path(given).glob("*.db"):
+        for stale in [*Path(given).glob("*.db"), *Path(given).glob(f"{SNAPSHOT_PREFIX}*")]:
             stale.unlink()
         yield given
         return
@@ -225,27 +228,12 @@ def _metrics_directory() -> Iterator[str]:
         shutil.rmtree(made, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _engine(settings: GatewaySettings) -> Iterator[GatewaySettings]:
-    """The settings workers get: with the bundled mock engine started here when needed."""
-    if settings.engine is not None or getattr(settings, "prefill_engine", None) is not None:
-        yield settings
-        return
-    if getattr(settings, "disaggregated", False):
+def run_workers(settings: GatewaySettings) -> int:
+    """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status."""
+    if settings.disaggregated and settings.prefill_engine is None:
         raise SystemExit(
             "--workers > 1 with --disaggregated needs --prefill-engine/--decode-engine"
         )
-    from app.server import MOCK_DP, mock_engine_config
-    from mocker.testing import running_mock_engine
-
-    config = mock_engine_config(settings)
-    with running_mock_engine(config) as handle:
-        log.info("started the bundled mock engine (DP=%d) at %s", MOCK_DP, handle.target)
-        yield replace(settings, engine=str(handle.target), tokenizer=config.tokenizer)
-
-
-def run_workers(settings: GatewaySettings) -> int:
-    """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status."""
     try:
         sock = listen(settings.host, settings.port)
     except OSError as exc:
@@ -253,7 +241,7 @@ def run_workers(settings: GatewaySettings) -> int:
         return 1
     board = SharedLoadBoard.create(settings.workers)
     try:
-        with _metrics_directory(), _engine(settings) as serving:
+        with _metrics_directory(), demo_engines(settings) as serving:
             supervisor = Supervisor(serving, sock, board)
             previous = {
                 sig: signal.signal(sig, _handler(supervisor))

@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -100,6 +101,9 @@ class Engine:
     kv_events_port: int | None
     pids: list[int] = field(default_factory=list)
 
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(pid) for pid in _tree(self.pids))
+
     @property
     def kv_endpoints(self) -> list[str]:
         assert self.kv_events_port is not None
@@ -142,10 +146,18 @@ def _tree(pids: Sequence[int]) -> list[int]:
 
 
 def launch(
-    stack: ExitStack, argv: list[str], name: str, env: dict[str, str] | None = None
+    stack: ExitStack,
+    argv: list[str],
+    name: str,
+    env: dict[str, str] | None = None,
+    cpus: str | None = None,
 ) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as a child of the bench; ``cpus`` (a taskset list) pins it and every
+    thread and process it starts."""
     log_path = Path(f"/tmp/rankgate-peers-{name}.log")
     log = log_path.open("wb")
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
     )
@@ -165,7 +177,11 @@ def launch(
 
 
 def wait_http(
-    url: str, procs: Sequence[subprocess.Popen[bytes]], ready: str, timeout: float = 90
+    url: str,
+    procs: Sequence[subprocess.Popen[bytes]],
+    ready: str,
+    timeout: float = 90,
+    poll: float = 0.25,
 ) -> None:
     """Until GET ``ready`` answers 200 (for ``/v1/models``: with a model listed)."""
     deadline = time.monotonic() + timeout
@@ -184,7 +200,7 @@ def wait_http(
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
+        time.sleep(poll)
     raise Unavailable(f"not ready at {url}{ready} within {timeout:.0f} s")
 
 
@@ -196,8 +212,11 @@ def start_mock_engine(
     speed: float = 0.0,
     block_size: int = 16,
     model: str = "bench-model",
+    tokenizer: Path = TINY_TOKENIZER,
+    paced_step_seconds: float = 0.0,
+    cpus: str | None = None,
 ) -> Engine:
-    mdir = model_dir(work)
+    mdir = model_dir(work, tokenizer)
     port, kv, replay = free_port(), free_port_range(dp_size), free_port_range(dp_size)
     argv = [
         sys.executable, "-m", "mocker", "--port", str(port), "--dp-size", str(dp_size),
@@ -205,8 +224,9 @@ def start_mock_engine(
         "--tokenizer", str(mdir), "--block-size", str(block_size),
         "--max-model-len", "8192", "--eos-probability", "0",
         "--kv-events-port", str(kv), "--kv-replay-port", str(replay), "--log-level", "warning",
+        "--paced-step-seconds", str(paced_step_seconds),
     ]  # fmt: skip
-    proc = launch(stack, argv, "mock-engine")
+    proc = launch(stack, argv, "mock-engine", cpus=cpus)
     _wait_grpc(f"127.0.0.1:{port}", proc)
     return Engine(f"127.0.0.1:{port}", dp_size, block_size, model, mdir, kv, [proc.pid])
 
@@ -216,7 +236,10 @@ def _wait_grpc(target: str, proc: subprocess.Popen[bytes], timeout: float = 30) 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    # Short reconnect backoff: grpc's default grows past the whole deadline while a slow
+    # machine is still starting the engine.
+    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+    with grpc.insecure_channel(target, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -232,7 +255,12 @@ def _wait_grpc(target: str, proc: subprocess.Popen[bytes], timeout: float = 30) 
 
 
 def start_rankgate(
-    stack: ExitStack, engine: Engine, policy: str = "kv", extra: Sequence[str] = ()
+    stack: ExitStack,
+    engine: Engine,
+    policy: str = "kv",
+    extra: Sequence[str] = (),
+    cpus: str | None = None,
+    poll: float = 0.25,
 ) -> Gateway:
     port = free_port()
     argv = [
@@ -240,13 +268,15 @@ def start_rankgate(
         "--port", str(port), "--tokenizer", str(engine.model_dir), "--policy", policy,
         "--log-level", "warning", *extra,
     ]  # fmt: skip
-    proc = launch(stack, argv, f"rankgate-{policy}")
+    proc = launch(stack, argv, f"rankgate-{policy}", cpus=cpus)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url, [proc], "/ready")
+    wait_http(url, [proc], "/ready", poll=poll)
     return Gateway(f"rankgate --policy {policy}", url, [proc.pid])
 
 
-def start_vllm_router(stack: ExitStack, engine: Engine, policy: str = "kv_aware") -> Gateway:
+def start_vllm_router(
+    stack: ExitStack, engine: Engine, policy: str = "kv_aware", cpus: str | None = None
+) -> Gateway:
     if not Path(ROUTER).exists():
         raise Unavailable("vllm-router is not installed (pip install -e '.[peers]')")
     port = free_port()
@@ -263,7 +293,11 @@ def start_vllm_router(stack: ExitStack, engine: Engine, policy: str = "kv_aware"
             "--kv-event-model", engine.model,
         ]  # fmt: skip
     proc = launch(
-        stack, argv, f"vllm-router-{policy}", {"VLLM_ROUTER_TOKENIZER": str(engine.model_dir)}
+        stack,
+        argv,
+        f"vllm-router-{policy}",
+        {"VLLM_ROUTER_TOKENIZER": str(engine.model_dir)},
+        cpus,
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(url, [proc], "/health")
@@ -308,18 +342,21 @@ def install_dynamo(venv: Path = DYNAMO_VENV) -> Path:
     return python
 
 
-def start_dynamo(stack: ExitStack, engine: Engine, work: Path, router: str = "kv") -> Gateway:
+def start_dynamo(
+    stack: ExitStack, engine: Engine, work: Path, router: str = "kv", cpus: str | None = None
+) -> Gateway:
     """Dynamo's vLLM sidecar (a worker for the engine's gRPC port) and its HTTP frontend,
     discovering each other through a file store, with Dynamo's own KV router."""
     python = str(dynamo_python())
-    store = work / f"dynamo-store-{router}"
-    store.mkdir(parents=True, exist_ok=True)
+    # A fresh store per start: a second start must not find the first one's registrations.
+    store = Path(tempfile.mkdtemp(prefix=f"dynamo-store-{router}-", dir=work))
     env = {**LOOPBACK_ENV, "DYN_FILE_KV": str(store)}
     sidecar = launch(
         stack,
         [python, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", engine.target],
         f"dynamo-sidecar-{router}",
         env,
+        cpus,
     )
     port = free_port()
     frontend = launch(
@@ -330,6 +367,7 @@ def start_dynamo(stack: ExitStack, engine: Engine, work: Path, router: str = "kv
         ],
         f"dynamo-frontend-{router}",
         env,
+        cpus,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_http(url, [sidecar, frontend], "/v1/models", timeout=120)

@@ -25,36 +25,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.routing.hashing import prompt_keys
 from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
-from sidecar.types import EngineInfo, KvEventSource, RankCapacity
-from tests.routing.conftest import prepared
+from sidecar.types import KvEventSource
+from tests.routing.conftest import engine_info, prepared
 from tests.routing.publisher import TestPublisher, stored
 
 BLOCK = 16
 BLOCKS_PER_EVENT = 8
 EVENTS_PER_BATCH = 32
 DOC_BLOCKS = 64
-
-
-def _info(ranks: int, blocks: int, sources: list[KvEventSource]) -> EngineInfo:
-    return EngineInfo(
-        model_id="bench",
-        served_model_name="bench",
-        aliases=(),
-        engine_version="0.32.0",
-        instance_id="bench",
-        max_model_len=32768,
-        block_size=BLOCK,
-        dp_size=ranks,
-        ranks=tuple(range(ranks)),
-        capacity=tuple(RankCapacity(r, blocks, 256) for r in range(ranks)),
-        max_batched_tokens=8192,
-        supports_text_input=True,
-        supports_lora=False,
-        supports_multimodal=False,
-        reasoning_parser="",
-        tool_call_parser="",
-        kv_event_sources=tuple(sources),
-    )
 
 
 def _documents(rng: random.Random, count: int) -> list[list[int]]:
@@ -85,7 +63,15 @@ async def _ingest(args: argparse.Namespace) -> None:
     router = build_router(RoutingConfig(pending_ttl=0), registry)
     assert isinstance(router, KvRouter)
     sources = [KvEventSource(p.rank, p.endpoint, None, p.topic) for p in publishers]
-    router.configure(_info(args.ranks, args.blocks + 1024, sources))
+    router.configure(
+        engine_info(
+            range(args.ranks),
+            block_size=BLOCK,
+            kv_blocks=args.blocks + 1024,
+            max_running=256,
+            sources=sources,
+        )
+    )
     await router.start()
     for publisher in publishers:
         await asyncio.to_thread(publisher.wait_subscribed)

@@ -4,11 +4,18 @@ Starts the mock engine (zero latency, DP=2) as its own process, then for each wo
 gateway (``rankgate serve --workers N``) on loopback, and drives it from client processes that
 speak raw HTTP/1.1 keep-alive (pre-encoded requests, so the client costs little CPU). Prints,
 per worker count: requests/s, latency p50/p99, and the gateway's CPU time per request (the
-supervisor and all workers, read from /proc). On a machine with fewer free cores than
+supervisor and all workers, read from /proc), and their CPU per second idle, read before the
+run. On a machine with fewer free cores than
 workers + engine + clients the gain is capped by the cores, which the last column shows.
 
+With ``--rate R`` the clients send a fixed R requests/s instead (open loop: each connection
+keeps its own schedule and skips, rather than bunches, what it fell behind on). Below
+saturation every worker count then serves the same load, so CPU per request shows what the
+extra processes themselves cost (the shared load board, multi-process metrics, a second
+sidecar); the last line gives each count's CPU per request over one worker's.
+
     .venv/bin/python bench/workers_scaling.py [--seconds 10] [--connections 32] [--clients 2]
-        [--workers 1 2] [--max-tokens 8]
+        [--workers 1 2] [--max-tokens 8] [--rate 300]
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
 MODEL = "bench-model"
 TICKS = os.sysconf("SC_CLK_TCK")
+# Seconds with no requests, to read what the gateway's processes spend idle.
+IDLE_S = 4.0
 
 
 def _port() -> int:
@@ -107,11 +116,27 @@ def _request(port: int, max_tokens: int) -> bytes:
 
 
 async def _connection(
-    port: int, payload: bytes, stop_at: float, latencies: list[float], errors: list[int]
+    port: int,
+    payload: bytes,
+    stop_at: float,
+    latencies: list[float],
+    errors: list[int],
+    interval: float,
+    offset: float,
 ) -> None:
+    """Requests back to back, or with ``interval`` > 0 one every ``interval`` seconds from
+    ``offset`` on (a late one goes at once; the schedule then restarts from it)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    due = time.perf_counter() + offset
     try:
         while time.perf_counter() < stop_at:
+            if interval > 0:
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if due >= stop_at:
+                    break
+                due = max(due + interval, time.perf_counter())
             started = time.perf_counter()
             writer.write(payload)
             head = await reader.readuntil(b"\r\n\r\n")
@@ -127,17 +152,26 @@ async def _connection(
         writer.close()
 
 
-def _client(port: int, connections: int, seconds: float, max_tokens: int, out: object) -> None:
+def _client(
+    port: int, connections: int, seconds: float, max_tokens: int, rate: float, out: object
+) -> None:
+    """One client process; ``rate`` > 0 is its share of a fixed request rate."""
     import uvloop
 
     latencies: list[float] = []
     errors: list[int] = []
     payload = _request(port, max_tokens)
+    interval = connections / rate if rate > 0 else 0.0
 
     async def run() -> None:
         stop_at = time.perf_counter() + seconds
         await asyncio.gather(
-            *(_connection(port, payload, stop_at, latencies, errors) for _ in range(connections))
+            *(
+                _connection(
+                    port, payload, stop_at, latencies, errors, interval, interval * i / connections
+                )
+                for i in range(connections)
+            )
         )
 
     uvloop.run(run())
@@ -155,6 +189,7 @@ class Result:
     cpu_per_request_us: float
     gateway_cores: float
     engine_cores: float
+    idle_ms_per_s: float
 
 
 def _drive(
@@ -163,8 +198,9 @@ def _drive(
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     per_client = max(1, args.connections // args.clients)
+    rate = args.rate / args.clients
     clients = [
-        ctx.Process(target=_client, args=(port, per_client, seconds, args.max_tokens, out))
+        ctx.Process(target=_client, args=(port, per_client, seconds, args.max_tokens, rate, out))
         for _ in range(args.clients)
     ]
     cpu_before = _cpu(pids)
@@ -210,6 +246,9 @@ def measure(workers: int, engine: str, engine_pid: int, args: argparse.Namespace
         _wait_ready(f"http://127.0.0.1:{port}", gateway)
         pids = _tree(gateway.pid)
         _drive(port, pids, engine_pid, args, 2.0)  # warm-up: connections and lazy paths
+        idle_before, idle_started = _cpu(pids), time.perf_counter()
+        time.sleep(IDLE_S)
+        idle = (_cpu(pids) - idle_before) / (time.perf_counter() - idle_started)
         latencies, errors, wall, cpu, engine_cpu = _drive(
             port, pids, engine_pid, args, args.seconds
         )
@@ -225,6 +264,7 @@ def measure(workers: int, engine: str, engine_pid: int, args: argparse.Namespace
         cpu_per_request_us=cpu / count * 1e6 if count else 0.0,
         gateway_cores=cpu / wall,
         engine_cores=engine_cpu / wall,
+        idle_ms_per_s=idle * 1000,
     )
 
 
@@ -236,6 +276,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--policy", default="kv")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="fixed requests/s over all clients; 0 = flat out"
+    )
     args = parser.parse_args()
 
     engine_port = _port()
@@ -268,14 +311,17 @@ def main() -> None:
         target = f"127.0.0.1:{engine_port}"
         results = [measure(count, target, mock.pid, args) for count in args.workers]
     cores = os.cpu_count()
+    load = f"a fixed {args.rate:.0f} req/s" if args.rate > 0 else "as fast as they can"
     print(
         f"rankgate --workers scaling: mock engine (DP=2, zero latency), {args.connections} "
-        f"keep-alive connections from {args.clients} client processes, {args.max_tokens}-token "
-        f"non-streamed completions, {args.seconds:.0f} s per run, {cores} CPU cores"
+        f"keep-alive connections from {args.clients} client processes sending {load}, "
+        f"{args.max_tokens}-token non-streamed completions, {args.seconds:.0f} s per run, "
+        f"{cores} CPU cores"
     )
     print(
         f"{'workers':>7} {'req/s':>8} {'speedup':>7} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'CPU/req us':>10} {'gateway cores':>13} {'engine cores':>12} {'errors':>6}"
+        f"{'CPU/req us':>10} {'gateway cores':>13} {'engine cores':>12} {'errors':>6} "
+        f"{'idle ms/s':>9}"
     )
     base = results[0].requests / results[0].seconds if results and results[0].requests else 0
     for r in results:
@@ -283,8 +329,15 @@ def main() -> None:
         print(
             f"{r.workers:>7} {rate:>8.0f} {rate / base if base else 0:>6.2f}x {r.p50_ms:>7.2f} "
             f"{r.p99_ms:>7.2f} {r.cpu_per_request_us:>10.0f} {r.gateway_cores:>13.2f} "
-            f"{r.engine_cores:>12.2f} {r.errors:>6}"
+            f"{r.engine_cores:>12.2f} {r.errors:>6} {r.idle_ms_per_s:>9.1f}"
         )
+    if results and results[0].cpu_per_request_us:
+        one = results[0]
+        ratios = ", ".join(
+            f"{r.workers}: {r.cpu_per_request_us / one.cpu_per_request_us:.2f}x"
+            for r in results[1:]
+        )
+        print(f"CPU per request over {one.workers} worker(s)'s: {ratios}")
 
 
 if __name__ == "__main__":

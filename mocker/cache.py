@@ -14,11 +14,16 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mocker.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _HASH_MASK = (1 << 63) - 1
-ExtraKeys = tuple[str, ...] | None
+# Per block, as vLLM 0.32 publishes them: the LoRA name, then ``(image id, offset of the
+# image's first token from the block's start)`` for each image the block touches (negative when
+# the image began in an earlier block), then the cache salt in the first block.
+ExtraKey = str | tuple[str, int]
+ExtraKeys = tuple[ExtraKey, ...] | None
 
 
 def block_hash(parent: int | None, tokens: Sequence[int], extra: ExtraKeys) -> int:
@@ -27,7 +32,11 @@ def block_hash(parent: int | None, tokens: Sequence[int], extra: ExtraKeys) -> i
     digest.update((parent or 0).to_bytes(8, "little"))
     digest.update(array("I", tokens).tobytes())
     if extra:
-        digest.update("\x1f".join(extra).encode())
+        digest.update(
+            "\x1f".join(
+                key if isinstance(key, str) else f"{key[0]}@{key[1]}" for key in extra
+            ).encode()
+        )
     return int.from_bytes(digest.digest(), "little") & _HASH_MASK
 
 
@@ -122,7 +131,7 @@ class PrefixCache:
         """Publish newly full blocks; a hash some other block already holds is not stored twice."""
         stored_hashes: list[int] = []
         stored_tokens: list[int] = []
-        stored_extra: list[list[str] | None] = []
+        stored_extra: list[list[Any] | None] = []
         stored_parent = parent
         size = self.block_size
         for index, (block, value) in enumerate(zip(blocks, hashes, strict=True)):
@@ -159,7 +168,7 @@ class PrefixCache:
         hashes: list[int],
         parent: int | None,
         tokens: list[int],
-        extra: list[list[str] | None],
+        extra: list[list[Any] | None],
         lora_name: str | None,
     ) -> None:
         self.events.append(

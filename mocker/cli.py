@@ -10,7 +10,7 @@ from typing import Any
 
 import uvloop
 
-from mocker.config import GRPC_SERVERS, ConfigError, MockEngineConfig
+from mocker.config import BUNDLED_TOKENIZER, GRPC_SERVERS, ConfigError, MockEngineConfig
 from mocker.transfer import ROLES
 
 
@@ -44,7 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=d.model, help="served model name")
     a("--served-model-alias", action="append", default=[], help="extra served name; repeat")
     a("--model-id", default=d.model_id, help="model id reported by GetModelInfo")
-    a("--tokenizer", default=None, help="Hugging Face tokenizer directory (real text output)")
+    a(
+        "--tokenizer",
+        # Resolved in config_from_args: the default must not be this checkout's path (the
+        # generated configuration reference shows it).
+        default=None,
+        help="Hugging Face tokenizer directory (real text output); also the model id reported "
+        "unless --model-id is given, so a gateway on this machine finds it; 'none' for a "
+        "made-up vocabulary (default: the bundled tiny tokenizer)",
+    )
     a("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
     a("--total-kv-blocks", type=int, default=d.total_kv_blocks, help="KV blocks, all local ranks")
     a("--max-running-requests", type=int, default=d.max_running_requests, help="per rank")
@@ -56,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-events-topic", default=d.kv_events_topic, help="KV-event topic")
     a("--kv-event-format", choices=["map", "array"], default=d.kv_event_format)
     a("--speed", type=float, default=d.speed, help="0 = zero latency; 1 = GPU-like timing")
+    a(
+        "--paced-step-seconds",
+        type=float,
+        default=d.paced_step_seconds,
+        help="> 0: every step lasts this long on a clock all ranks share, one token per running "
+        "stream per step (overrides --speed's timing); 0 = off (default: %(default)s)",
+    )
     a("--seed", type=int, default=d.seed, help="base seed")
     a("--eos-probability", type=float, default=d.eos_probability)
     a("--token-ids-only", action="store_true", help="reject text prompts")
@@ -81,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.kv_transfer_seconds_per_block,
         help="a decode's KV pull: seconds per prompt block at speed 1 (default: %(default)s)",
     )
+    a(
+        "--kv-lease-seconds",
+        type=float,
+        default=d.kv_lease_seconds,
+        help="a prefill engine frees KV no decode engine read after this long "
+        "(vLLM's kv_lease_duration; default: %(default)s)",
+    )
     a("--log-level", default="info")
 
 
@@ -95,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         model=args.model,
         served_model_aliases=tuple(args.served_model_alias),
         model_id=args.model_id,
-        tokenizer=args.tokenizer,
+        tokenizer=_tokenizer(args.tokenizer),
         block_size=args.block_size,
         total_kv_blocks=args.total_kv_blocks,
         max_running_requests=args.max_running_requests,
@@ -107,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         kv_events_topic=args.kv_events_topic,
         kv_event_format=args.kv_event_format,
         speed=args.speed,
+        paced_step_seconds=args.paced_step_seconds,
         seed=args.seed,
         eos_probability=args.eos_probability,
         supports_text_input=not args.token_ids_only,
@@ -116,7 +139,14 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         role=args.role,
         kv_transfer_seconds=args.kv_transfer_seconds,
         kv_transfer_seconds_per_block=args.kv_transfer_seconds_per_block,
+        kv_lease_seconds=args.kv_lease_seconds,
     )
+
+
+def _tokenizer(given: str | None) -> str | None:
+    if given is None:
+        return str(BUNDLED_TOKENIZER)
+    return None if given.lower() == "none" else given
 
 
 def run_from_args(args: argparse.Namespace) -> int:

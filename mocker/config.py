@@ -7,10 +7,14 @@ directly, and ``rankgate mock-engine`` maps its flags onto it one to one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from mocker.transfer import ROLES, Role
 
+# The tiny tokenizer shipped inside the package: `rankgate mock-engine` uses it unless told
+# otherwise, so the gateway finds a tokenizer for the mock's model without extra flags.
+BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
 EventFormat = Literal["map", "array"]
 GrpcServer = Literal["inloop", "grpcio"]
 GRPC_SERVERS: tuple[GrpcServer, ...] = ("inloop", "grpcio")
@@ -24,8 +28,8 @@ class ConfigError(ValueError):
 class MockEngineConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    # "inloop": HTTP/2 served on the event loop (mocker.h2server), about half the CPU per
-    # streamed message; "grpcio": grpc.aio's server, for a client the first cannot serve.
+    # "inloop": HTTP/2 served on the event loop (mocker.h2server), cheaper per streamed
+    # message; "grpcio": grpc.aio's server, for a client the first cannot serve.
     grpc_server: GrpcServer = "inloop"
     # Data-parallel topology, with vLLM's meaning: this frontend serves ranks
     # ``dp_start_rank .. dp_start_rank + dp_local_size`` (0 = the whole group).
@@ -64,6 +68,10 @@ class MockEngineConfig:
     prefill_seconds_per_token: float = 50e-6
     decode_step_seconds: float = 8e-3
     decode_seconds_per_sequence: float = 60e-6
+    # Paced: > 0 makes every step last exactly this long whatever its batch, on one clock
+    # that all local ranks share, so each running stream gets one token per step, as a
+    # batched decode step delivers them (the timing model and ``speed`` are then unused).
+    paced_step_seconds: float = 0.0
     # The "weights": a different seed is a different model, so the same prompt continues
     # differently; the same seed always reproduces the same outputs.
     seed: int = 0
@@ -82,8 +90,9 @@ class MockEngineConfig:
     # Slow start: health reports NOT_SERVING for this long after the server starts.
     startup_delay_s: float = 0.0
     # Where a prefill answer's kv_transfer_params say the KV can be pulled from (NIXL-style).
+    # Its side channel: UDP at ``kv_connector_port`` + rank, or a free port per rank when 0.
     kv_connector_host: str = "127.0.0.1"
-    kv_connector_port: int = 5600
+    kv_connector_port: int = 0
     instance_id: str = ""
     # Disaggregation: "prefill" serves only requests marked do_remote_decode, "decode" only
     # remote prefills whose params a prefill engine issued for the same prompt; "both" serves
@@ -91,6 +100,9 @@ class MockEngineConfig:
     role: Role = "both"
     kv_transfer_seconds: float = 2e-3
     kv_transfer_seconds_per_block: float = 20e-6
+    # A prefill engine holds a finished prefill's KV this long for a decode engine to read it
+    # (vLLM's kv_lease_duration), then frees it whether it was read or not.
+    kv_lease_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:
@@ -116,6 +128,8 @@ class MockEngineConfig:
             raise ConfigError("max_model_len must be positive")
         if self.speed < 0:
             raise ConfigError("speed must be >= 0 (0 = zero latency)")
+        if self.paced_step_seconds < 0:
+            raise ConfigError("paced_step_seconds must be >= 0 (0 = not paced)")
         if not self.model.strip():
             raise ConfigError("model (served name) must not be empty")
         if not 0.0 <= self.eos_probability <= 1.0:
@@ -126,6 +140,8 @@ class MockEngineConfig:
             raise ConfigError(
                 f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, got {self.grpc_server!r}"
             )
+        if self.kv_lease_seconds <= 0:
+            raise ConfigError("kv_lease_seconds must be > 0")
         if self.kv_transfer_seconds < 0 or self.kv_transfer_seconds_per_block < 0:
             raise ConfigError("KV transfer times must be >= 0")
 

@@ -5,13 +5,16 @@ sequences (chunked prefill included), takes as long as the timing model says a G
 then emits one token per sequence whose inputs are all computed. Prefix-cache hits skip
 prefill work, so they show up in TTFT; a bigger batch makes every step slower, so load shows
 up in inter-token latency. Out of KV blocks, the newest request is preempted and recomputed
-later, as vLLM does.
+later, as vLLM does. Paced, every step instead lasts one fixed time on a clock the ranks
+share: what a gateway sees from a GPU's batched decode, one token per running stream per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,15 +22,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from mocker.cache import Block, ExtraKeys, PrefixCache, block_hash
+from mocker.cache import Block, ExtraKey, ExtraKeys, PrefixCache, block_hash
 from mocker.config import MockEngineConfig
 from mocker.events import KvEventPublisher
 from mocker.model import TokenModel
 from mocker.output import Emitted, Finish, Sequence
 from mocker.request import MockRequest
 from mocker.status import ENGINE_DEAD, RpcStatus, internal
-from mocker.transfer import issue
+from mocker.transfer import READ_NOTICE, issue, read_notice
 from mocker.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
 
 
 class State(Enum):
@@ -43,18 +48,21 @@ class Outbox:
     since its last read in one go, so a slow client never slows the scheduler down.
     """
 
-    __slots__ = ("_error", "_items", "_waiter", "finished")
+    __slots__ = ("_error", "_items", "_waiter", "_whole", "finished")
 
     def __init__(self) -> None:
         self._items: list[Emitted] = []
         self._waiter: asyncio.Future[None] | None = None
         self._error: RpcStatus | None = None
+        self._whole = False
         self.finished = False
 
     def put(self, item: Emitted) -> None:
         self._items.append(item)
         if item.finish is not Finish.NOT_FINISHED:
             self.finished = True
+        elif self._whole:
+            return
         self._wake()
 
     def fail(self, error: RpcStatus) -> None:
@@ -74,6 +82,16 @@ class Outbox:
                 self._waiter = None
         items, self._items = self._items, []
         return items
+
+    async def take_all(self) -> list[Emitted]:
+        """Everything up to the finished item, for a unary reply: the reader is woken once,
+        not once per step."""
+        self._whole = True
+        items: list[Emitted] = []
+        while True:
+            items += await self.take()
+            if items[-1].finish is not Finish.NOT_FINISHED:
+                return items
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -123,6 +141,9 @@ class RankCounters:
     failed: int = 0
     stranded_transfers: int = 0
     transfers_completed: int = 0
+    # Prefill side: KV held for a remote decode, freed when the decode read it, or at lease end.
+    transfers_released: int = 0
+    leases_expired: int = 0
     steps: int = 0
 
 
@@ -153,16 +174,33 @@ class RankEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dead: RpcStatus | None = None
+        self._tick = 0  # the paced clock's last tick this rank stepped at
         self.die_after_tokens: int | None = None
         self.on_death: Callable[[], None] | None = None
         self.withhold_transfer: Callable[[], bool] | None = None
+        # Prefill side: finished requests' blocks kept for a decode engine to read, by id.
+        self.held: dict[str, tuple[list[Block], asyncio.TimerHandle]] = {}
+        self._side_channel: socket.socket | None = None
+        self.side_channel_port = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"mock-rank-{self.rank}"
-        )
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name=f"mock-rank-{self.rank}")
+        if self.config.role != "decode":
+            self._open_side_channel(loop)
+
+    def _open_side_channel(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The NIXL-style side channel where decode engines say they have read a prefill's KV
+        (UDP on loopback; ``kv_connector_port`` 0 picks a free port per rank)."""
+        base = self.config.kv_connector_port
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((self.config.kv_connector_host, base + self.rank if base else 0))
+        sock.setblocking(False)
+        self.side_channel_port = int(sock.getsockname()[1])
+        loop.add_reader(sock.fileno(), self._on_side_channel)
+        self._side_channel = sock
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -170,6 +208,13 @@ class RankEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._side_channel is not None:
+            asyncio.get_running_loop().remove_reader(self._side_channel.fileno())
+            self._side_channel.close()
+            self._side_channel = None
+        for _, lease in self.held.values():
+            lease.cancel()
+        self.held.clear()
 
     @property
     def dead(self) -> bool:
@@ -228,6 +273,8 @@ class RankEngine:
                 delay, self._transferred, request
             )
             return request
+        if request.remote_prefill:
+            self._notify_read(params)  # an instant transfer: read, and said so, at once
         self._enqueue(request)
         return request
 
@@ -235,7 +282,64 @@ class RankEngine:
         request.transfer = None
         self.transferring.discard(request)
         self.counters.transfers_completed += 1
+        self._notify_read(request.req.kv_transfer_params or {})
         self._enqueue(request)
+
+    def _notify_read(self, params: dict[str, Any]) -> None:
+        """Tell the prefill engine its KV was read so it frees it (NIXL's notification)."""
+        notice = read_notice(params)
+        if notice is None:
+            return
+        address, payload = notice
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+            sock.sendto(payload, address)
+
+    def _on_side_channel(self) -> None:
+        assert self._side_channel is not None
+        while True:
+            try:
+                payload, _ = self._side_channel.recvfrom(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if payload.startswith(READ_NOTICE):
+                self._release_held(payload[len(READ_NOTICE) :].decode(errors="replace"))
+
+    def _hold(self, request: EngineRequest) -> None:
+        """Keep a prefill's blocks for the decode engine until it reads them or the lease
+        (``kv_lease_seconds``) runs out, as vLLM's NIXL connector does."""
+        blocks, request.blocks = request.blocks, []
+        lease = asyncio.get_running_loop().call_later(
+            self.config.kv_lease_seconds, self._lease_expired, request.request_id
+        )
+        self.held[request.request_id] = (blocks, lease)
+
+    def _release_held(self, request_id: str) -> None:
+        held = self.held.pop(request_id, None)
+        if held is None:
+            log.error(
+                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
+                "decode worker. They may have expired.",
+                request_id,
+            )
+            return
+        blocks, lease = held
+        lease.cancel()
+        self.cache.release(blocks)
+        self.counters.transfers_released += 1
+
+    def _lease_expired(self, request_id: str) -> None:
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return
+        log.warning(
+            "Releasing expired KV blocks for request %s which were retrieved by 0 remote "
+            "worker(s) before lease expired.",
+            request_id,
+        )
+        self.cache.release(held[0])
+        self.counters.leases_expired += 1
 
     def _enqueue(self, request: EngineRequest) -> None:
         self.waiting.append(request)
@@ -260,6 +364,8 @@ class RankEngine:
 
     async def _run(self) -> None:
         speed = self.config.speed
+        pace = self.config.paced_step_seconds
+        loop = asyncio.get_running_loop()
         while True:
             if not self.running and not self.waiting:
                 self._wakeup.clear()
@@ -269,7 +375,15 @@ class RankEngine:
                 await asyncio.sleep(0.01)
                 continue
             batch, prefill_tokens = self._schedule()
-            if speed > 0.0:
+            if pace > 0.0:
+                # The next tick of the loop's clock, which every rank on this loop shares: a
+                # request that arrives mid-step joins the next one, and a late step skips the
+                # ticks it missed rather than bunching up to catch up. A timer may wake a
+                # little before its tick, so the tick just stepped at never counts as next.
+                now = loop.time()
+                self._tick = max(self._tick + 1, int(now // pace) + 1)
+                await asyncio.sleep(self._tick * pace - now)
+            elif speed > 0.0:
                 await asyncio.sleep(self._step_seconds(len(batch), prefill_tokens) / speed)
             else:
                 await asyncio.sleep(0)
@@ -432,11 +546,11 @@ class RankEngine:
         req = request.req
         for index in range(len(request.hashes), blocks):
             start, end = index * size, (index + 1) * size
-            keys: list[str] = []
+            keys: list[ExtraKey] = []
             if req.lora:
                 keys.append(req.lora)
             keys.extend(
-                span.identifier
+                (span.identifier, span.offset - start)
                 for span in req.media
                 if span.offset < end and span.offset + span.length > start
             )
@@ -455,6 +569,7 @@ class RankEngine:
             if params.get("do_remote_decode") and not (withhold is not None and withhold()):
                 emitted_params = self._transfer_params(request)
                 request.kv_transfer_out = emitted_params
+                self._hold(request)
         self._drop(request)
         request.outbox.put(emitted)
 
@@ -477,14 +592,20 @@ class RankEngine:
     def _transfer_params(self, request: EngineRequest) -> dict[str, Any]:
         c = self.config
         req = request.req
+        # The fields and JSON types of vLLM 0.32's NixlConnector (block ids per KV group).
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [b.block_id for b in request.blocks],
+            "remote_block_ids": [[b.block_id for b in request.blocks]],
             "remote_engine_id": f"{c.instance_id or 'mock'}-dp{self.rank}",
+            "remote_request_id": request.request_id,
             "remote_host": c.kv_connector_host,
-            "remote_port": str(c.kv_connector_port + self.rank),
+            "remote_port": self.side_channel_port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(req.prompt),
+            "transfer_mode": "pull",
         }
         return issue(params, req.prompt, req.media, req.lora, req.cache_salt)
 

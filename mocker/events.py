@@ -43,7 +43,7 @@ class BlockStored(KvEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[list[str] | None] | None = None
+    extra_keys: list[list[Any] | None] | None = None
     # vLLM 0.32 sends the KV-cache group and its spec with every stored batch.
     group_idx: int | None = 0
     kv_cache_spec_kind: str | None = "full_attention"
@@ -74,7 +74,7 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False)
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[list[str] | None] | None = None
+    extra_keys: list[list[Any] | None] | None = None
 
 
 class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):

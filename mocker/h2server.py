@@ -2,9 +2,10 @@
 
 Why not grpcio: every message grpc.aio sends crosses threads (the servicer's task hands it to
 C-core, whose threads write the socket and report back through a poller that wakes the loop),
-which costs 60-80 µs of CPU per streamed message here, more than the engine spends making it.
-This server parses frames in ``data_received``, runs each call as one task, and writes what
-every call produced during one loop iteration with a single ``transport.write``.
+which costs more CPU per streamed message than the engine spends making it. This server is
+the server role of the gateway's sans-IO HTTP/2 core (:mod:`sidecar.h2`, the only thing it
+shares with the gateway): ``data_received`` feeds the core, each call runs as one task, and
+what every call produced during one loop iteration goes out in a single ``transport.write``.
 
 It serves unary-request methods (unary and server-streaming responses) registered the way
 generated ``add_*Servicer_to_server`` functions register them, so the same servicers run on
@@ -14,12 +15,10 @@ either server. Their context offers what grpc.aio's offers and servicers here us
 status code and message grpc.aio would send: a returned ``NotImplementedError`` from a
 generated base class reads ``Unexpected <class 'NotImplementedError'>: ...`` as it does there.
 
-HTTP/2 (RFC 9113) as a gRPC server needs it: the preface and SETTINGS exchange, HPACK with the
-dynamic table on requests (responses are literals that never touch the peer's table),
-requests split over DATA frames and CONTINUATION, the peer's flow-control windows and frame
-size on everything sent, WINDOW_UPDATE for what was received, RST_STREAM from the client as
-cancellation, PING, GOAWAY on stop, ``grpc-timeout`` deadlines, gzip/deflate request
-messages, and an advertised bound on concurrent streams.
+What the role adds to the core's HTTP/2 (frames, settings, windows, header blocks, limits):
+responses as HPACK literals that never touch the peer's table, WINDOW_UPDATE for request
+bytes received, RST_STREAM from the client as cancellation, GOAWAY on stop, ``grpc-timeout``
+deadlines, gzip/deflate request messages, and REFUSED_STREAM past its concurrency bound.
 """
 
 from __future__ import annotations
@@ -34,42 +33,25 @@ import socket
 import struct
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import quote
 
 import grpc
-import hpack
 
-from sidecar.http2 import (
-    ACK,
-    CONTINUATION,
+from sidecar.h2.connection import H2Connection, H2Stream
+from sidecar.h2.errors import H2ConnectionError, H2StreamError
+from sidecar.h2.frames import (
     DATA,
-    DEFAULT_MAX_FRAME,
-    DEFAULT_WINDOW,
     END_HEADERS,
-    END_STREAM,
-    GOAWAY,
     HEADERS,
-    MAX_WINDOW,
-    PADDED,
-    PING,
-    PREFACE,
-    PRIORITY_FLAG,
-    PUSH_PROMISE,
-    REFUSED_STREAM,
-    RST_STREAM,
-    SETTINGS,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_CONCURRENT_STREAMS,
-    SETTINGS_MAX_FRAME_SIZE,
-    WINDOW_UPDATE,
-    HeaderDecoder,
-    hpack_int,
-    hpack_str,
+    ErrorCode,
+    frame_head,
 )
+from sidecar.h2.headers import hpack_int, hpack_str, literal
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +61,6 @@ RECV_STREAM_WINDOW = 1 << 20
 RECV_CONNECTION_WINDOW = 16 << 20
 MAX_HEADER_BLOCK = 64 << 10
 
-NO_ERROR = 0x0
-PROTOCOL_ERROR = 0x1
-INTERNAL_ERROR = 0x2
-FLOW_CONTROL_ERROR = 0x3
-FRAME_SIZE_ERROR = 0x6
-COMPRESSION_ERROR = 0x9
-
-_FRAME = struct.Struct(">HBBBL")
-_U32 = struct.Struct(">L")
-_SETTING = struct.Struct(">HL")
 _MESSAGE_HEAD = struct.Struct(">BL")
 # A DATA frame's head followed by the head of the one message it carries.
 _DATA_HEAD = struct.Struct(">HBBBLBL")
@@ -105,19 +77,14 @@ _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 # ---------------------------------------------------------------- HPACK literals (responses)
 
 
-def _literal(name: str, value: str | bytes) -> bytes:
-    """A literal header field without indexing, new name (RFC 7541 6.2.2)."""
-    return b"\x00" + hpack_str(name) + hpack_str(value)
-
-
 # :status 200 is static entry 8; content-type's name is static entry 31.
 _RESPONSE_HEADERS = (
     b"\x88"
     + hpack_int(31, 4)
     + hpack_str(b"application/grpc")
-    + _literal("grpc-accept-encoding", "identity,deflate,gzip")
+    + literal("grpc-accept-encoding", "identity,deflate,gzip")
 )
-_OK_TRAILERS = _literal("grpc-status", "0")
+_OK_TRAILERS = literal("grpc-status", "0")
 
 
 def status_block(
@@ -126,18 +93,14 @@ def status_block(
     """The trailer fields that carry a call's status, as grpc.aio words them."""
     if code is grpc.StatusCode.OK and not details and not trailing:
         return _OK_TRAILERS
-    block = bytearray(_literal("grpc-status", str(code.value[0])))
+    block = bytearray(literal("grpc-status", str(code.value[0])))
     if details:
-        block += _literal("grpc-message", quote(details, safe=_MESSAGE_SAFE))
+        block += literal("grpc-message", quote(details, safe=_MESSAGE_SAFE))
     for key, value in trailing:
         if isinstance(value, bytes):
             value = base64.b64encode(value).rstrip(b"=")
-        block += _literal(key.lower(), value)
+        block += literal(key.lower(), value)
     return bytes(block)
-
-
-def _frame_head(kind: int, flags: int, stream_id: int, size: int) -> bytes:
-    return _FRAME.pack(size >> 8, size & 0xFF, kind, flags, stream_id)
 
 
 # ---------------------------------------------------------------- the method table
@@ -285,7 +248,7 @@ class ServicerContext:
                 log.exception("done callback of %s failed", self._stream.path)
 
 
-class Stream:
+class Stream(H2Stream):
     """The server's state of one HTTP/2 stream carrying one call."""
 
     __slots__ = (
@@ -299,32 +262,25 @@ class Stream:
         "headers_sent",
         "method",
         "path",
-        "pending",
         "pending_trailers",
         "recv_credit",
-        "remote_closed",
         "reset",
-        "send_window",
         "started",
-        "stream_id",
         "task",
         "timer",
         "waiter",
     )
 
-    def __init__(self, conn: Connection, stream_id: int, path: str, method: Method) -> None:
+    def __init__(self, conn: Connection, path: str, method: Method) -> None:
+        super().__init__()
         self.conn = conn
-        self.stream_id = stream_id
         self.path = path
         self.method = method
-        self.send_window = conn.peer_initial_window
         self.body = bytearray()
         self.recv_credit = 0
         self.encoding = ""
         self.started = False
-        self.remote_closed = False
         self.headers_sent = False
-        self.pending = bytearray()
         self.pending_trailers: bytes | None = None
         # Set once the call's status is on its way (or the stream is gone).
         self.ended = False
@@ -336,40 +292,63 @@ class Stream:
         self.waiter: asyncio.Future[None] | None = None
         self.context: ServicerContext | None = None
 
+    # -- hooks of the core
+
+    def on_data(self, data: bytes, flow: int, end_stream: bool) -> None:
+        self.conn.on_request_data(self, data, flow, end_stream)
+
+    def on_headers(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
+        # Trailers from the client: only their end of stream matters.
+        if end_stream:
+            self.conn.on_remote_end(self)
+
+    def on_reset(self, code: int) -> None:
+        self.conn.drop(self)
+
+    def on_stream_error(self, error: H2StreamError) -> None:
+        log.warning("HTTP/2 stream error from %s: %s", self.conn.peer, error.message)
+        self.conn.drop(self)
+
+    def on_drained(self) -> None:
+        trailers = self.pending_trailers
+        if trailers is not None:
+            self.pending_trailers = None
+            self.conn.send_headers(self.stream_id, trailers, True)
+            self.conn.close_call(self)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
 
 # ---------------------------------------------------------------- the connection
 
 
-class Connection(asyncio.Protocol):
+class Connection(H2Connection[Stream], asyncio.Protocol):
     """The server end of one HTTP/2 connection."""
 
     def __init__(self, server: H2Server) -> None:
+        super().__init__(
+            client=False,
+            settings=(
+                (SETTINGS_MAX_CONCURRENT_STREAMS, server.max_concurrent_streams),
+                (SETTINGS_INITIAL_WINDOW_SIZE, RECV_STREAM_WINDOW),
+            ),
+            connection_window=RECV_CONNECTION_WINDOW,
+            connection_credit_step=RECV_CONNECTION_WINDOW // 2,
+            max_header_block=MAX_HEADER_BLOCK,
+        )
         self.server = server
         self.peer = ""
-        self.peer_initial_window = DEFAULT_WINDOW
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
-        self._buffer = b""
-        self._preface = False
-        self._decoder = HeaderDecoder()
-        self._streams: dict[int, Stream] = {}
-        self._last_stream = 0
-        self._peer_max_frame = DEFAULT_MAX_FRAME
-        self._send_window = DEFAULT_WINDOW
-        self._recv_credit = 0
-        self._blocked: deque[Stream] = deque()
-        self._out: list[bytes] = []
         self._flush_pending = False
         self._paused = False
         self._resumed: asyncio.Future[None] | None = None
-        self._header_block: bytearray | None = None
-        self._header_stream = 0
-        self._header_flags = 0
         self._going_away = False
 
     @property
     def active(self) -> int:
-        return len(self._streams)
+        return len(self.streams)
 
     # -- asyncio.Protocol
 
@@ -387,28 +366,20 @@ class Connection(asyncio.Protocol):
             self.peer = f"ipv4:{peer[0]}:{peer[1]}"
         else:
             self.peer = f"unix:{peer}"
-        settings = b"".join(
-            _SETTING.pack(key, value)
-            for key, value in (
-                (SETTINGS_MAX_CONCURRENT_STREAMS, self.server.max_concurrent_streams),
-                (SETTINGS_INITIAL_WINDOW_SIZE, RECV_STREAM_WINDOW),
-            )
-        )
-        self._write(_frame_head(SETTINGS, 0, 0, len(settings)) + settings)
-        increment = RECV_CONNECTION_WINDOW - DEFAULT_WINDOW
-        self._write(_frame_head(WINDOW_UPDATE, 0, 0, 4) + _U32.pack(increment))
+        self.initiate()
         self._flush()
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
         self._transport = None
-        self._out.clear()
+        self.out.clear()
         self.server.connections.discard(self)
-        streams = list(self._streams.values())
-        self._streams.clear()
+        streams = list(self.streams.values())
+        self.streams.clear()
         self._blocked.clear()
         for stream in streams:
-            self._drop(stream)
+            self.drop(stream)
         resumed, self._resumed = self._resumed, None
         if resumed is not None and not resumed.done():
             resumed.set_result(None)
@@ -423,111 +394,23 @@ class Connection(asyncio.Protocol):
             resumed.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self._buffer:
-            data = self._buffer + data
-            self._buffer = b""
-        at = 0
-        if not self._preface:
-            if len(data) < len(PREFACE):
-                if not PREFACE.startswith(data):
-                    self._connection_error(PROTOCOL_ERROR, "not an HTTP/2 client preface")
-                    return
-                self._buffer = data
-                return
-            if not data.startswith(PREFACE):
-                self._connection_error(PROTOCOL_ERROR, "not an HTTP/2 client preface")
-                return
-            self._preface = True
-            at = len(PREFACE)
-        size = len(data)
-        streams = self._streams
-        while size - at >= 9:
-            hi, lo, kind, flags, stream_id = _FRAME.unpack_from(data, at)
-            length = (hi << 8) | lo
-            if length > DEFAULT_MAX_FRAME:
-                self._connection_error(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                return
-            end = at + 9 + length
-            if end > size:
-                break
-            stream_id &= MAX_WINDOW
-            if self._header_block is not None and kind != CONTINUATION:
-                self._connection_error(PROTOCOL_ERROR, "a header block was interrupted")
-                return
-            if kind == DATA:
-                self._recv_credit += length
-                stream = streams.get(stream_id)
-                if stream is not None and not stream.remote_closed:
-                    if flags & PADDED:
-                        self._on_data(stream, data[at + 10 : end - data[at + 9]], length, flags)
-                    else:
-                        self._on_data(stream, data[at + 9 : end], length, flags)
-                elif stream_id == 0:
-                    self._connection_error(PROTOCOL_ERROR, "DATA on stream 0")
-                    return
-                if self._recv_credit >= RECV_CONNECTION_WINDOW // 2:
-                    self._write(_frame_head(WINDOW_UPDATE, 0, 0, 4) + _U32.pack(self._recv_credit))
-                    self._recv_credit = 0
-            elif kind in (HEADERS, CONTINUATION):
-                self._on_header_frame(kind, flags, stream_id, data[at + 9 : end])
-            else:
-                self._on_control(kind, flags, stream_id, data[at + 9 : end])
-            if self._transport is None:
-                return
-            at = end
-        if at < size:
-            self._buffer = data[at:]
+        try:
+            self.receive(data)
+        except H2ConnectionError as error:
+            log.warning("HTTP/2 connection error from %s: %s", self.peer or "a client", error)
+            transport = self._transport
+            if transport is not None:
+                self._flush()
+                transport.close()
+            self.connection_lost(None)
+            return
         self._flush()
 
     # -- receiving
 
-    def _on_header_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == HEADERS:
-            start, end = 0, len(payload)
-            if flags & PADDED:
-                start = 1
-                end -= payload[0]
-            if flags & PRIORITY_FLAG:
-                start += 5
-            self._header_block = bytearray(payload[start:end])
-            self._header_stream = stream_id
-            self._header_flags = flags
-        elif self._header_block is None or stream_id != self._header_stream:
-            self._connection_error(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
-            return
-        else:
-            self._header_block += payload
-            flags |= self._header_flags & END_STREAM
-        if len(self._header_block) > MAX_HEADER_BLOCK:
-            self._connection_error(PROTOCOL_ERROR, "header block too large")
-            return
-        if not flags & END_HEADERS:
-            return
-        block, self._header_block = bytes(self._header_block), None
-        try:
-            headers = self._decoder.decode(block)
-        except hpack.HPACKError as error:
-            self._connection_error(COMPRESSION_ERROR, f"undecodable headers: {error}")
-            return
-        stream_id = self._header_stream
-        end_stream = bool(flags & END_STREAM)
-        stream = self._streams.get(stream_id)
-        if stream is not None:
-            # Trailers from the client: only their end of stream matters.
-            if end_stream:
-                self._on_remote_end(stream)
-            return
-        if stream_id <= self._last_stream:
-            return
-        if not stream_id & 1:
-            self._connection_error(PROTOCOL_ERROR, f"client stream id {stream_id} is even")
-            return
-        self._last_stream = stream_id
-        self._on_request(stream_id, headers, end_stream)
-
-    def _on_request(self, stream_id: int, headers: list[tuple[str, str]], end: bool) -> None:
-        if self._going_away or len(self._streams) >= self.server.max_concurrent_streams:
-            self._write(_frame_head(RST_STREAM, 0, stream_id, 4) + _U32.pack(REFUSED_STREAM))
+    def on_new_stream(self, stream_id: int, headers: list[tuple[str, str]], end: bool) -> None:
+        if self._going_away or len(self.streams) >= self.server.max_concurrent_streams:
+            self.refuse(stream_id, ErrorCode.REFUSED_STREAM)
             return
         path = content_type = timeout = encoding = ""
         for name, value in headers:
@@ -541,43 +424,41 @@ class Connection(asyncio.Protocol):
                 encoding = value
         if not content_type.startswith("application/grpc"):
             block = b"\x00" + hpack_str(b":status") + hpack_str(b"415")
-            self._send_headers(stream_id, block, END_STREAM)
+            self.send_headers(stream_id, block, True)
             self._refuse_body(stream_id, end)
             return
         method = self.server.resolve(path)
         if method is None:
-            self._send_headers(
-                stream_id,
-                _RESPONSE_HEADERS
-                + status_block(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
-                END_STREAM,
+            block = _RESPONSE_HEADERS + status_block(
+                grpc.StatusCode.UNIMPLEMENTED, "Method not found!"
             )
+            self.send_headers(stream_id, block, True)
             self._refuse_body(stream_id, end)
             return
-        stream = Stream(self, stream_id, path, method)
+        stream = Stream(self, path, method)
         stream.context = ServicerContext(stream, headers)
         if encoding and encoding != "identity":
             stream.encoding = encoding
-        self._streams[stream_id] = stream
+        self.add_stream(stream, stream_id, end)
         if timeout:
             self._arm_deadline(stream, timeout)
         if end:
-            self._on_remote_end(stream)
+            self.on_remote_end(stream)
 
     def _refuse_body(self, stream_id: int, ended: bool) -> None:
         if not ended:
-            self._write(_frame_head(RST_STREAM, 0, stream_id, 4) + _U32.pack(NO_ERROR))
+            self.refuse(stream_id, ErrorCode.NO_ERROR)
 
     def _arm_deadline(self, stream: Stream, timeout: str) -> None:
         unit = _TIMEOUT_UNITS.get(timeout[-1:])
         digits = timeout[:-1]
-        if unit is None or not digits.isdigit():
+        if unit is None or not (digits.isascii() and digits.isdigit()):
             return
         seconds = int(digits) * unit
         stream.deadline = time.monotonic() + seconds
         stream.timer = self._loop.call_later(seconds, self._expire, stream)
 
-    def _on_data(self, stream: Stream, data: bytes, flow: int, flags: int) -> None:
+    def on_request_data(self, stream: Stream, data: bytes, flow: int, end_stream: bool) -> None:
         stream.recv_credit += flow
         if stream.started:
             if data:
@@ -601,16 +482,13 @@ class Connection(asyncio.Protocol):
                     return
                 if len(body) == 5 + length:
                     self._start(stream)
-        if flags & END_STREAM:
-            self._on_remote_end(stream)
+        if end_stream:
+            self.on_remote_end(stream)
         elif stream.recv_credit >= RECV_STREAM_WINDOW // 2 and not stream.ended:
-            self._write(
-                _frame_head(WINDOW_UPDATE, 0, stream.stream_id, 4) + _U32.pack(stream.recv_credit)
-            )
+            self.grant(stream, stream.recv_credit)
             stream.recv_credit = 0
 
-    def _on_remote_end(self, stream: Stream) -> None:
-        stream.remote_closed = True
+    def on_remote_end(self, stream: Stream) -> None:
         if not stream.started and not stream.ended:
             self._fail(stream, grpc.StatusCode.INTERNAL, "the request carried no complete message")
 
@@ -619,65 +497,6 @@ class Connection(asyncio.Protocol):
         body = bytes(stream.body)
         stream.body = bytearray()
         stream.task = self._loop.create_task(self._serve(stream, body))
-
-    def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == SETTINGS:
-            if not flags & ACK:
-                if len(payload) % 6:
-                    self._connection_error(FRAME_SIZE_ERROR, "SETTINGS of an odd size")
-                    return
-                self._apply_settings(payload)
-                self._write(_frame_head(SETTINGS, ACK, 0, 0))
-        elif kind == WINDOW_UPDATE:
-            if len(payload) != 4:
-                self._connection_error(FRAME_SIZE_ERROR, "WINDOW_UPDATE of a wrong size")
-                return
-            increment = _U32.unpack(payload)[0] & MAX_WINDOW
-            if stream_id == 0:
-                self._send_window += increment
-                if self._send_window > MAX_WINDOW:
-                    self._connection_error(FLOW_CONTROL_ERROR, "connection window overflow")
-                    return
-            else:
-                stream = self._streams.get(stream_id)
-                if stream is None:
-                    return
-                stream.send_window += increment
-            if self._blocked:
-                self._drain()
-        elif kind == RST_STREAM:
-            stream = self._streams.pop(stream_id, None)
-            if stream is not None:
-                self._drop(stream)
-        elif kind == PING:
-            if not flags & ACK and len(payload) == 8:
-                self._write(_frame_head(PING, ACK, 0, 8) + payload)
-        elif kind == PUSH_PROMISE:
-            self._connection_error(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-
-    def _apply_settings(self, payload: bytes) -> None:
-        for at in range(0, len(payload), 6):
-            key, value = _SETTING.unpack_from(payload, at)
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                change = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for stream in self._streams.values():
-                    stream.send_window += change
-            elif key == SETTINGS_MAX_FRAME_SIZE:
-                self._peer_max_frame = value
-        if self._blocked:
-            self._drain()
-
-    def _connection_error(self, code: int, what: str) -> None:
-        log.warning("HTTP/2 connection error from %s: %s", self.peer or "a client", what)
-        transport = self._transport
-        if transport is None:
-            return
-        self._out.clear()
-        payload = _U32.pack(self._last_stream) + _U32.pack(code) + what.encode()[:200]
-        transport.write(_frame_head(GOAWAY, 0, 0, len(payload)) + payload)
-        transport.close()
-        self.connection_lost(None)
 
     # -- running a call
 
@@ -758,64 +577,26 @@ class Connection(asyncio.Protocol):
         """Queue a message for the next flush; True when part of it waits for window."""
         if stream.ended:
             return False
-        out = self._out
         if not stream.headers_sent:
             stream.headers_sent = True
-            out.append(
-                _frame_head(HEADERS, END_HEADERS, stream.stream_id, len(_RESPONSE_HEADERS))
+            self.out.append(
+                frame_head(HEADERS, END_HEADERS, stream.stream_id, len(_RESPONSE_HEADERS))
                 + _RESPONSE_HEADERS
             )
         size = len(payload) + 5
-        if (
-            not stream.pending
-            and size <= stream.send_window
-            and size <= self._send_window
-            and size <= self._peer_max_frame
-        ):
-            stream.send_window -= size
-            self._send_window -= size
+        if self.reserve(stream, size):
+            out = self.out
             out.append(
                 _DATA_HEAD.pack(size >> 8, size & 0xFF, DATA, 0, stream.stream_id, 0, size - 5)
             )
             out.append(payload)
-            self._schedule_flush()
-            return False
-        if not stream.pending:
-            self._blocked.append(stream)
-        stream.pending += _MESSAGE_HEAD.pack(0, size - 5)
-        stream.pending += payload
-        self._drain()
-        self._schedule_flush()
-        return bool(stream.pending)
-
-    def _drain(self) -> None:
-        """Send what the windows allow of every stream that waits for window."""
-        blocked = self._blocked
-        for _ in range(len(blocked)):
-            stream = blocked.popleft()
-            if stream.reset:
-                continue
-            pending = stream.pending
-            while pending and self._send_window > 0 and stream.send_window > 0:
-                size = min(
-                    len(pending), self._peer_max_frame, self._send_window, stream.send_window
-                )
-                self._out.append(_frame_head(DATA, 0, stream.stream_id, size) + pending[:size])
-                del pending[:size]
-                self._send_window -= size
-                stream.send_window -= size
-            if pending:
-                blocked.append(stream)
-                continue
-            trailers = stream.pending_trailers
-            if trailers is not None:
-                stream.pending_trailers = None
-                self._send_headers(stream.stream_id, trailers, END_STREAM)
-                self._close_stream(stream)
-            waiter = stream.waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-        self._schedule_flush()
+            sent = True
+        else:
+            sent = self.send_data(stream, payload, False, _MESSAGE_HEAD.pack(0, size - 5))
+        if not self._flush_pending:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+        return not sent
 
     def _finish(
         self,
@@ -831,41 +612,43 @@ class Connection(asyncio.Protocol):
         block = status_block(code, details, trailing)
         if not stream.headers_sent:
             stream.headers_sent = True
-            self._send_headers(stream.stream_id, _RESPONSE_HEADERS + block, END_STREAM)
+            self.send_headers(stream.stream_id, _RESPONSE_HEADERS + block, True)
         elif stream.pending:
             stream.pending_trailers = block
             return
         else:
-            self._send_headers(stream.stream_id, block, END_STREAM)
-        self._close_stream(stream)
+            self.send_headers(stream.stream_id, block, True)
+        self.close_call(stream)
+        self._schedule_flush()
 
     def _fail(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
         """End a call the client got wrong; its handler, if running, is cancelled."""
         if stream.pending:
             # Mid-message: no trailers can follow, only a reset.
-            self._write(_frame_head(RST_STREAM, 0, stream.stream_id, 4) + _U32.pack(INTERNAL_ERROR))
-            self._drop(stream)
+            self.reset_stream(stream, ErrorCode.INTERNAL_ERROR)
+            self.drop(stream)
         else:
             self._finish(stream, code, details)
             task = stream.task
             if task is not None and not task.done():
                 task.cancel()
             if not stream.remote_closed:
-                self._write(_frame_head(RST_STREAM, 0, stream.stream_id, 4) + _U32.pack(NO_ERROR))
-        self._close_stream(stream)
+                self.refuse(stream.stream_id, ErrorCode.NO_ERROR)
+        self.close_call(stream)
+        self._schedule_flush()
 
-    def _close_stream(self, stream: Stream) -> None:
-        if self._streams.get(stream.stream_id) is stream:
-            del self._streams[stream.stream_id]
-            if self._going_away and not self._streams:
+    def close_call(self, stream: Stream) -> None:
+        if self.streams.get(stream.stream_id) is stream:
+            self.close_stream(stream)
+            if self._going_away and not self.streams:
                 self.close_if_idle()
                 self.server.wake_stop()
 
-    def _drop(self, stream: Stream) -> None:
+    def drop(self, stream: Stream) -> None:
         """The client is gone (RST_STREAM or lost connection): stop the handler."""
         stream.reset = True
         stream.ended = True
-        stream.pending.clear()
+        stream.pending = None
         task = stream.task
         if task is not None and not task.done():
             task.cancel()
@@ -875,6 +658,8 @@ class Connection(asyncio.Protocol):
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
+        if self._going_away and not self.streams:
+            self.server.wake_stop()
 
     def _expire(self, stream: Stream) -> None:
         stream.timer = None
@@ -889,31 +674,15 @@ class Connection(asyncio.Protocol):
 
     # -- writing
 
-    def _send_headers(self, stream_id: int, block: bytes, flags: int) -> None:
-        limit = self._peer_max_frame
-        if len(block) <= limit:
-            self._write(_frame_head(HEADERS, flags | END_HEADERS, stream_id, len(block)) + block)
-            return
-        first, rest = block[:limit], block[limit:]
-        self._write(_frame_head(HEADERS, flags, stream_id, len(first)) + first)
-        while rest:
-            chunk, rest = rest[:limit], rest[limit:]
-            last = END_HEADERS if not rest else 0
-            self._write(_frame_head(CONTINUATION, last, stream_id, len(chunk)) + chunk)
-
-    def _write(self, data: bytes) -> None:
-        self._out.append(data)
-        self._schedule_flush()
-
     def _schedule_flush(self) -> None:
-        if not self._flush_pending and self._out:
+        if not self._flush_pending and self.out:
             self._flush_pending = True
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         """One ``transport.write`` for everything queued since the last flush."""
         self._flush_pending = False
-        out = self._out
+        out = self.out
         if not out:
             return
         transport = self._transport
@@ -929,13 +698,12 @@ class Connection(asyncio.Protocol):
     def go_away(self) -> None:
         """Take no new streams; finish the open ones, then close."""
         self._going_away = True
-        payload = _U32.pack(self._last_stream) + _U32.pack(NO_ERROR)
-        self._write(_frame_head(GOAWAY, 0, 0, len(payload)) + payload)
+        self.send_goaway(ErrorCode.NO_ERROR)
         self._flush()
 
     def abort_all(self) -> list[asyncio.Task[None]]:
         """Cancel every call still running and close the connection."""
-        tasks = [s.task for s in self._streams.values() if s.task is not None]
+        tasks = [s.task for s in self.streams.values() if s.task is not None]
         transport = self._transport
         if transport is not None:
             self._flush()
@@ -944,7 +712,7 @@ class Connection(asyncio.Protocol):
         return tasks
 
     def close_if_idle(self) -> None:
-        if not self._streams and self._transport is not None:
+        if not self.streams and self._transport is not None:
             self._flush()
             self._transport.close()
 

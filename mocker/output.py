@@ -9,8 +9,9 @@ vLLM's semantics, so clients see the shapes they would see from a GPU.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
+import sys
+from array import array
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -18,6 +19,9 @@ from mocker.model import Processing, TokenModel
 from mocker.vocab import TextStream, Vocabulary
 
 _NOTHING: frozenset[int] = frozenset()
+_BIG_ENDIAN = sys.byteorder == "big"
+# Seeded from the OS once; a draw per request needs no system call.
+_ENTROPY = random.Random()
 
 
 class Finish(IntEnum):
@@ -81,7 +85,10 @@ def context_key(prompt: list[int], lora: str, model_seed: int) -> int:
     """The model's context: the same prompt under the same adapter continues the same way."""
     digest = hashlib.blake2b(digest_size=8, salt=model_seed.to_bytes(8, "little", signed=True))
     digest.update(len(prompt).to_bytes(4, "little"))
-    digest.update(b"".join(t.to_bytes(4, "little") for t in prompt[-512:]))
+    tail = array("I", prompt[-512:])
+    if _BIG_ENDIAN:
+        tail.byteswap()
+    digest.update(tail)
     digest.update(lora.encode())
     return int.from_bytes(digest.digest(), "little")
 
@@ -89,7 +96,7 @@ def context_key(prompt: list[int], lora: str, model_seed: int) -> int:
 def sample_seed(key: int, seed: int | None) -> bytes:
     """Seeded sampling repeats exactly; unseeded sampling draws fresh entropy."""
     if seed is None:
-        return os.urandom(16)
+        return _ENTROPY.randbytes(16)
     return key.to_bytes(8, "little") + seed.to_bytes(8, "little", signed=True)
 
 

@@ -113,8 +113,8 @@ class RequestValidator:
             raise invalid_argument(
                 f"text request `{request_id}` must contain at least one prompt token ID"
             )
-        too_big = [t for t in prompt if t >= self._vocab.size]
-        if too_big:
+        if max(prompt) >= self._vocab.size:
+            too_big = [t for t in prompt if t >= self._vocab.size]
             raise invalid_argument(
                 f"token_id(s) {too_big} in prompt are out of vocabulary. "
                 f"Vocabulary size: {self._vocab.size}"
@@ -167,10 +167,12 @@ class RequestValidator:
                 "`min_tokens` must be less than or equal to `max_tokens`, "
                 f"got min_tokens={min_tokens}, max_tokens={stopping.max_new_tokens}"
             )
-        if any(not s for s in stopping.stop_strings):
+        stop_strings = stopping.stop_strings
+        if stop_strings and not all(stop_strings):
             raise invalid_argument(f"text request `{request_id}` stop strings cannot be empty")
-        bad_stops = [t for t in stopping.stop_token_ids if t >= self._vocab.size]
-        if bad_stops:
+        stop_ids = stopping.stop_token_ids
+        if stop_ids and max(stop_ids) >= self._vocab.size:
+            bad_stops = [t for t in stop_ids if t >= self._vocab.size]
             raise invalid_argument(
                 f"token_id(s) {bad_stops} in stop_token_ids are out of vocabulary. "
                 f"Vocabulary size: {self._vocab.size}"
@@ -192,11 +194,13 @@ class RequestValidator:
             else:
                 logprobs = LogprobSpec()
         temperature = req.temperature if req.HasField("temperature") else 0.0
-        seed = req.sampling.seed if req.sampling.HasField("seed") else None
+        sampling = req.sampling
+        seed = sampling.seed if sampling.HasField("seed") else None
         decoding = req.decoding
         vocab_size = self._vocab.size
-        bad_bias = [t for t in decoding.logit_bias if t >= vocab_size]
-        if bad_bias:
+        logit_bias = dict(decoding.logit_bias)
+        if logit_bias and max(logit_bias) >= vocab_size:
+            bad_bias = [t for t in logit_bias if t >= vocab_size]
             raise invalid_argument(
                 f"token_id(s) {bad_bias} in logit_bias are out of vocabulary. "
                 f"Vocabulary size: {vocab_size}"
@@ -214,16 +218,16 @@ class RequestValidator:
             sample_seed=seed_bytes,
             processing=Processing(
                 temperature=max(temperature, 0.0),
-                top_k=req.sampling.top_k,
-                top_p=req.sampling.top_p,
-                min_p=req.sampling.min_p,
-                logit_bias=dict(decoding.logit_bias),
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                min_p=sampling.min_p,
+                logit_bias=logit_bias,
                 allowed=allowed,
             ),
             max_tokens=max(max_tokens, 0),
             min_tokens=min_tokens,
-            stop_token_ids=frozenset(stopping.stop_token_ids),
-            stop_strings=tuple(stopping.stop_strings),
+            stop_token_ids=frozenset(stop_ids),
+            stop_strings=tuple(stop_strings),
             include_stop_strings=stopping.include_stop_strings,
             ignore_eos=stopping.ignore_eos,
             skip_special_tokens=(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _FinishReason = inference_pb2.FinishInfo.FinishReason
 MAX_MESSAGE = 64 << 20
+# Inference calls whose metadata is kept for inspection.
+RECEIVED_METADATA = 256
 _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -72,6 +75,10 @@ class MockServer:
         self._server: grpc.aio.Server | H2Server | None = None
         self.health = HealthServicer()
         self.port = config.port
+        # (request id, metadata) of the latest Inference calls, for tests of what clients send.
+        self.received_metadata: deque[tuple[str, tuple[tuple[str, str | bytes], ...]]] = deque(
+            maxlen=RECEIVED_METADATA
+        )
 
     @property
     def target(self) -> str:
@@ -166,7 +173,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _prepare(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> tuple[RankEngine, EngineRequest]:
-        rank = parse_rank(context.invocation_metadata())
+        metadata = context.invocation_metadata()
+        self._server.received_metadata.append((request.request_id, tuple(metadata)))
+        rank = parse_rank(metadata)
         prepared = await self._server.validator.validate(request)
         return self._server.submit(prepared, rank)
 
@@ -177,13 +186,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             engine, handle = await self._prepare(request, context)
         except RpcStatus as status:
             await context.abort(status.code, status.message)
-        collected: list[Emitted] = []
         try:
-            while True:
-                items = await handle.outbox.take()
-                collected.extend(items)
-                if items[-1].finish is not Finish.NOT_FINISHED:
-                    break
+            collected = await handle.outbox.take_all()
         except RpcStatus as status:
             await context.abort(status.code, status.message)
         finally:

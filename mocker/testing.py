@@ -8,7 +8,6 @@ run a coroutine on the engine's loop.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
@@ -16,15 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import uvloop
-
 from mocker.config import MockEngineConfig
 from mocker.engine import RankEngine
 from mocker.faults import Faults
 from mocker.server import MockServer
+from mocker.threaded import serving_in_thread
 
 T = TypeVar("T")
-_START_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +40,11 @@ class RankStats:
     stranded_transfers: int
     transfers_completed: int
     transferring: int
+    # Prefill side: prefills whose KV waits for a decode engine to read it, and how held
+    # KV ended (read by a decode engine, or freed at the end of its lease).
+    held_transfers: int
+    transfers_released: int
+    leases_expired: int
     active: int
     waiting: int
     running: int
@@ -131,6 +133,18 @@ class MockEngineHandle:
         )
         return prompts
 
+    def received_metadata(self, request_id_prefix: str) -> list[dict[str, str | bytes]]:
+        """The metadata of the latest Inference calls whose request id starts with
+        ``request_id_prefix``, oldest first."""
+        found: list[dict[str, str | bytes]] = self.call(
+            lambda: [
+                dict(metadata)
+                for rid, metadata in self.server.received_metadata
+                if rid.startswith(request_id_prefix)
+            ]
+        )
+        return found
+
     def all_stats(self) -> dict[int, RankStats]:
         return {rank: self.stats(rank) for rank in self.ranks}
 
@@ -179,6 +193,9 @@ def _snapshot(engine: RankEngine) -> RankStats:
         stranded_transfers=c.stranded_transfers,
         transfers_completed=c.transfers_completed,
         transferring=len(engine.transferring),
+        held_transfers=len(engine.held),
+        transfers_released=c.transfers_released,
+        leases_expired=c.leases_expired,
         active=engine.active,
         waiting=len(engine.waiting),
         running=len(engine.running),
@@ -193,36 +210,6 @@ def _snapshot(engine: RankEngine) -> RankStats:
 
 @contextmanager
 def running_mock_engine(config: MockEngineConfig) -> Iterator[MockEngineHandle]:
-    """Start the mock on a private thread and uvloop loop; stop it (and the thread) on exit.
-
-    uvloop roughly halves the engine's CPU per streamed request under grpc.aio.
-    """
-    loop = uvloop.new_event_loop()
-    started: Future[MockServer] = Future()
-    stop = asyncio.Event()
-
-    async def main() -> None:
-        server = MockServer(config)
-        try:
-            await server.start()
-        except BaseException as exc:
-            await server.stop()
-            started.set_exception(exc)
-            return
-        started.set_result(server)
-        await stop.wait()
-        await server.stop()
-
-    thread = threading.Thread(
-        target=loop.run_until_complete, args=(main(),), name="mock-vllm", daemon=True
-    )
-    thread.start()
-    try:
-        server = started.result(_START_TIMEOUT_S)
+    """Start the mock on a private thread and event loop; stop it (and the thread) on exit."""
+    with serving_in_thread(config) as (server, loop):
         yield MockEngineHandle(server, loop)
-    finally:
-        if thread.is_alive():
-            loop.call_soon_threadsafe(stop.set)
-        thread.join(_START_TIMEOUT_S)
-        if not thread.is_alive():
-            loop.close()

@@ -6,29 +6,35 @@ not the one prefilled, pull the wrong blocks and produce garbage. The mock signs
 (a digest over the params, the expanded prompt, the images, the LoRA and the salt), so a decode
 role refuses anything a router did not forward verbatim with the original prompt and media.
 
-Integers count as equal to their decimal strings: gateways send numbers as strings because
-``google.protobuf.Struct`` numbers are doubles and a connector formats e.g. ``remote_port``
-into a URL, where ``5600.0`` would break it (SPEC.md section 8).
+Numbers must stay numbers. ``google.protobuf.Struct`` carries them as doubles (``remote_port``
+arrives as ``5600.0``) and vLLM's NIXL connector accepts that, but it compares and adds the
+sizes and counts it is given: a string there (``"dcp_size": "1"``) fails its handshake with a
+TypeError, so the mock refuses strings in those fields as an engine error.
+
+The prefill side keeps the blocks until the decode side says it read them (a datagram on the
+side channel named by ``remote_host``/``remote_port``, as NIXL sends a notification) or the
+lease runs out, as vLLM 0.32 does.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import orjson
 
 from mocker.media import MediaSpan
-from mocker.status import invalid_argument
+from mocker.status import internal, invalid_argument
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
 
 DIGEST_KEY = "transfer_digest"
-
-_INTEGER = re.compile(r"-?[0-9]+")
+# The side-channel message by which a decode engine frees a prefill's blocks.
+READ_NOTICE = b"read:"
+# Fields NIXL does arithmetic and comparisons on (sizes, counts, the side-channel port).
+NUMERIC_FIELDS = ("remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens")
 
 
 def issue(
@@ -86,18 +92,51 @@ def check(
                 "prefill engine"
             )
         return
-    port = params.get("remote_port")
-    if port is not None and not (isinstance(port, str) and port.isdigit()):
-        raise invalid_argument(
-            f"kv_transfer_params remote_port {port!r} cannot be formatted into a URL; "
-            "send it as a decimal string"
-        )
+    _check_numbers(params)
     unsigned = {key: value for key, value in params.items() if key != DIGEST_KEY}
     if _digest(unsigned, prompt, media, lora, cache_salt) != digest:
         raise invalid_argument(
             "kv_transfer_params do not match a prefill of this prompt: they were altered in "
             "transit, or the prompt, images, LoRA or cache salt differ from the prefill's"
         )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_numbers(params: dict[str, Any]) -> None:
+    for name in NUMERIC_FIELDS:
+        value = params.get(name)
+        if value is not None and not _is_number(value):
+            raise internal(
+                f"KV transfer handshake failed: kv_transfer_params {name} is "
+                f"{type(value).__name__} {value!r}, not a number "
+                "(TypeError: '>' not supported between instances of 'str' and 'int')"
+            )
+    groups = params.get("remote_block_ids")
+    if groups is not None and not (
+        isinstance(groups, list)
+        and all(
+            isinstance(group, list) and all(_is_number(block) for block in group)
+            for group in groups
+        )
+    ):
+        raise internal(
+            f"KV transfer failed: remote_block_ids {groups!r} is not a list of block-id lists"
+        )
+
+
+def read_notice(params: dict[str, Any]) -> tuple[tuple[str, int], bytes] | None:
+    """Where and what a decode engine sends once it has read a prefill's KV, if the params
+    name a prefill engine's side channel."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    request_id = params.get("remote_request_id")
+    if not (
+        isinstance(host, str) and isinstance(port, (int, float)) and isinstance(request_id, str)
+    ):
+        return None
+    return (host, int(port)), READ_NOTICE + request_id.encode()
 
 
 def _digest(
@@ -120,14 +159,11 @@ def _digest(
 
 
 def _canonical(value: Any) -> Any:
-    if isinstance(value, bool) or value is None:
+    """JSON as a Struct round trip leaves it: integral numbers compare equal to ints."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, str):
-        return str(int(value)) if _INTEGER.fullmatch(value) else value
+    if isinstance(value, (int, float)):
+        return int(value) if float(value).is_integer() else value
     if isinstance(value, dict):
         return {str(key): _canonical(item) for key, item in sorted(value.items())}
     if isinstance(value, (list, tuple)):

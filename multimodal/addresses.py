@@ -3,10 +3,11 @@
 A host name is resolved and every address it resolves to must be public, or inside an
 operator's allow-list: loopback, private, shared (CGNAT), link-local (cloud metadata at
 169.254.169.254), multicast, reserved and unspecified addresses are refused, as are IPv6
-forms that embed such an IPv4 address (mapped, 6to4, Teredo, NAT64). The check runs before
-each request and each redirect hop for a clear error, and again in :class:`GuardedBackend` at
-connect time on the very addresses the socket connects to, so DNS rebinding between the check
-and the connection gains nothing.
+forms that embed such an IPv4 address (mapped, 6to4, Teredo, NAT64), and the IPv4-compatible
+(``::/96``) and site-local (``fec0::/10``) ranges that ``ipaddress`` calls global. The check
+runs before each request and each redirect hop for a clear error, and again in
+:class:`GuardedBackend` at connect time on the very addresses the socket connects to, so DNS
+rebinding between the check and the connection gains nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# RFC 8215's local-use NAT64 prefix: the last 32 bits are an IPv4 address too.
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
+# IPv6 ranges that ``ipaddress`` counts as global but that are not: IPv4-compatible
+# addresses (deprecated by RFC 4291; ``::`` and ``::1`` sit in it too), and site-local
+# addresses (deprecated by RFC 3879, still routed inside some sites).
+_NOT_GLOBAL_V6: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
+    (ipaddress.IPv6Network("::/96"), "IPv4-compatible"),
+    (ipaddress.IPv6Network("fec0::/10"), "site-local"),
+)
 
 
 async def system_resolver(host: str, port: int) -> Sequence[str]:
@@ -42,7 +52,7 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
         return address.sixtofour
     if address.teredo is not None:
         return address.teredo[1]
-    if address in _NAT64:
+    if address in _NAT64 or address in _LOCAL_NAT64:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
 
@@ -52,6 +62,13 @@ def _why_blocked(address: IPAddress) -> str | None:
         inner = _embedded_ipv4(address)
         if inner is not None:
             return _why_blocked(inner)
+        if address.is_loopback:
+            return "loopback"
+        if address.is_unspecified:
+            return "unspecified"
+        for network, kind in _NOT_GLOBAL_V6:
+            if address in network:
+                return kind
     if address.is_loopback:
         return "loopback"
     if address.is_link_local:
@@ -84,7 +101,8 @@ class AddressPolicy:
             shown = f"host {host} resolves to {address}" if host != str(address) else str(address)
             if isinstance(address, ipaddress.IPv6Address) and _embedded_ipv4(address) is not None:
                 shown += f" (which embeds {_embedded_ipv4(address)})"
-            raise ImageRefused(f"{shown}, a {reason} address; fetching it is not allowed")
+            article = "an" if reason[0] in "aeiouIU" else "a"
+            raise ImageRefused(f"{shown}, {article} {reason} address; fetching it is not allowed")
 
     async def resolve_allowed(self, host: str, port: int) -> tuple[str, ...]:
         """The addresses to connect to; refuses when any of them is not allowed."""

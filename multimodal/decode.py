@@ -3,7 +3,9 @@
 Pillow decodes and ``hashlib`` hashes with the GIL released, so a few threads give real
 parallelism while the event loop only awaits. Every refusal is an :class:`ImageRefused` with
 a reason a client can act on: format not allowed, too many pixels (decompression bombs are
-refused from the header, before any pixel is decoded), truncated or corrupt data.
+refused from the header, before any pixel is decoded), truncated or corrupt data. The header
+alone (:func:`image_size`) is enough to check a request's images against its token budget
+before any of them is decoded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from multimodal.datauri import parse_data_uri
 from multimodal.errors import ImageRefused
-from multimodal.identity import canonical_rgb, pixel_identity
+from multimodal.identity import canonical_rgb, content_identity
 from multimodal.lru import BoundedLRU
 
 _EXIF_ORIENTATION = 0x0112
@@ -54,8 +56,10 @@ class DecodedImage(msgspec.Struct, frozen=True):
     """A validated image: its identity, its size after EXIF orientation, and what to send.
 
     ``data`` is the transport bytes unchanged, or a lossless PNG of the canonical pixels when
-    EXIF orientation had to be applied (vLLM does not apply it, so it must see the turned
-    pixels that the identity describes).
+    EXIF orientation had to be applied. The identity describes the upright pixels, so those
+    are what the engine gets, with no EXIF left to apply: vLLM 0.32's image loader turns an
+    image by its EXIF too (``normalize_image``), but what the engine sees then does not hang
+    on which of its paths decodes the bytes.
     """
 
     uuid: str
@@ -80,8 +84,15 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
-    """Validate and decode ``data``; blocking, meant for a worker thread."""
+def image_size(data: bytes, limits: DecodeLimits) -> tuple[int, int]:
+    """Width and height as the header states them, before EXIF orientation; no pixel is
+    decoded. Refuses what :func:`decode_image` would refuse from the header alone."""
+    with _open(data, limits) as image:
+        return image.size
+
+
+def _open(data: bytes, limits: DecodeLimits) -> Image.Image:
+    """The image with only its header read, its format and pixel count checked."""
     if not data:
         raise ImageRefused("empty image data")
     allowed = ", ".join(limits.allowed_formats)
@@ -98,40 +109,51 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         raise ImageRefused(f"decompression bomb refused: {exc}") from None
     except Exception as exc:  # Pillow's parsers raise many types on hostile headers.
         raise ImageRefused(f"corrupt {sniff_format(data) or 'image'} header: {exc}") from None
-    with image:
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        image.close()
+        raise ImageRefused(f"invalid image size {width}x{height}")
+    if width * height > limits.max_pixels:
+        image.close()
+        raise ImageRefused(
+            f"{width}x{height} is {width * height} pixels, over the limit of "
+            f"{limits.max_pixels} (decompression bomb guard)"
+        )
+    return image
+
+
+def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
+    """Validate and decode ``data``; blocking, meant for a worker thread."""
+    with _open(data, limits) as image:
         width, height = image.size
-        if width <= 0 or height <= 0:
-            raise ImageRefused(f"invalid image size {width}x{height}")
-        if width * height > limits.max_pixels:
-            raise ImageRefused(
-                f"{width}x{height} is {width * height} pixels, over the limit of "
-                f"{limits.max_pixels} (decompression bomb guard)"
-            )
         fmt = image.format or "unknown"
         try:
             image.load()
             orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
             upright = ImageOps.exif_transpose(image) if orientation != 1 else image
-            rgb = canonical_rgb(upright)
         except Exception as exc:
             text = str(exc)
             if "truncated" in text or isinstance(exc, EOFError):
                 raise ImageRefused(f"truncated {fmt} data: {text or 'unexpected end'}") from None
             raise ImageRefused(f"corrupt {fmt} data: {text}") from None
-        uuid = pixel_identity(rgb)
         if upright is image:
             return DecodedImage(
-                uuid=uuid,
+                uuid=content_identity(data),
                 width=width,
                 height=height,
                 mime_type=Image.MIME.get(fmt, "application/octet-stream"),
                 data=data,
             )
+        rgb = canonical_rgb(upright)
         buffer = io.BytesIO()
         rgb.save(buffer, format="PNG", compress_level=1)
         turned = buffer.getvalue()
         return DecodedImage(
-            uuid=uuid, width=rgb.width, height=rgb.height, mime_type="image/png", data=turned
+            uuid=content_identity(turned),
+            width=rgb.width,
+            height=rgb.height,
+            mime_type="image/png",
+            data=turned,
         )
 
 
@@ -159,15 +181,19 @@ class ImageDecoder:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._pool, self._decode_or_recall, data)
 
-    async def decode_data_uri(self, uri: str, max_bytes: int) -> DecodedImage:
-        """Like :meth:`decode`; the base64 decoding of the URI happens on the pool too."""
+    async def data_uri_bytes(self, uri: str, max_bytes: int) -> bytes:
+        """The payload of a ``data:`` URI, base64-decoded on the pool."""
         async with self._slots:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self._decode_uri, uri, max_bytes)
+            _, data = await loop.run_in_executor(self._pool, parse_data_uri, uri, max_bytes)
+            return data
 
-    def _decode_uri(self, uri: str, max_bytes: int) -> DecodedImage:
-        _, data = parse_data_uri(uri, max_bytes)
-        return self._decode_or_recall(data)
+    async def size(self, data: bytes) -> tuple[int, int]:
+        """:func:`image_size` on the pool: what a budget can be checked against before any
+        pixel is decoded."""
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, image_size, data, self._limits)
 
     def _decode_or_recall(self, data: bytes) -> DecodedImage:
         key = hashlib.sha256(data).digest()

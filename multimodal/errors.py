@@ -31,3 +31,17 @@ class ImageRefused(Exception):
 
     def at(self, index: int) -> ImageError:
         return ImageError(index, self.reason, self.status)
+
+
+class ImagesOverBudget(ImageError):
+    """The request's images, counted from their headers, expand past the tokens its context
+    has left for them; refused before any image is decoded. ``tokens``: the fewest tokens
+    they can expand to."""
+
+    def __init__(self, tokens: int, budget: int) -> None:
+        super().__init__(
+            0,
+            f"the images expand to at least {tokens} tokens, more than the {max(budget, 0)} "
+            "the context leaves for them",
+        )
+        self.tokens = tokens

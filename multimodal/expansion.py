@@ -17,6 +17,7 @@ from typing import Protocol
 from multimodal.errors import ImageRefused
 from multimodal.lru import BoundedLRU
 from multimodal.types import MediaConfig
+from sidecar.routing.hashing import image_runs
 from sidecar.types import MediaInput
 
 _QWEN_MAX_ASPECT = 200
@@ -112,19 +113,78 @@ def formula_for(config: MediaConfig, model_id: str) -> ImageTokenFormula | None:
 
 
 class LearnedTokenCounts:
-    """Expanded token counts observed from vLLM, by image uuid, LRU-bounded.
+    """Expanded token counts observed from vLLM, by image uuid and by image size, LRU-bounded.
 
-    What vLLM reports is the truth, so an observation overrides a formula's count.
+    What vLLM reports is the truth, so an observation overrides a formula's count. vLLM's
+    processors derive an image's token count from its size alone, so a count learnt for one
+    image also stands for a new image of the same width and height (:meth:`for_size`).
     """
 
     def __init__(self, capacity: int) -> None:
         self._counts: BoundedLRU[str, int] = BoundedLRU(capacity)
+        self._sizes: BoundedLRU[str, tuple[int, int]] = BoundedLRU(capacity)
+        self._by_size: BoundedLRU[tuple[int, int], int] = BoundedLRU(capacity)
 
     def __len__(self) -> int:
         return len(self._counts)
 
     def get(self, uuid: str) -> int | None:
         return self._counts.get(uuid)
+
+    def for_size(self, width: int, height: int) -> int | None:
+        return self._by_size.get((width, height))
+
+    def saw(self, uuid: str, width: int, height: int) -> None:
+        """Remember a prepared image's size, so that its count, once learnt, covers its size."""
+        self._sizes.put(uuid, (width, height))
+
+    def _learn(self, uuid: str, count: int) -> None:
+        self._counts.put(uuid, count)
+        size = self._sizes.get(uuid)
+        if size is not None:
+            self._by_size.put(size, count)
+
+    def observe_runs(
+        self, media: Sequence[MediaInput], prompt_len: int, expanded: Sequence[int]
+    ) -> list[str]:
+        """Learn every image of one request from vLLM's expanded prompt (``PromptInfo``'s
+        token ids): each placeholder's run is that image's count, however many are new."""
+        positions = [item.position for item in media]
+        if any(position is None for position in positions):
+            return []
+        groups = image_runs([p for p in positions if p is not None], prompt_len, expanded)
+        if groups is None:
+            return []
+        learned: list[str] = []
+        for members, total in groups:
+            found = self._split([media[i] for i in members], total)
+            for uuid, count in found.items():
+                self._learn(uuid, count)
+                learned.append(uuid)
+        return learned
+
+    def _split(self, run: Sequence[MediaInput], total: int) -> dict[str, int]:
+        """Each image's share of a run of adjacent placeholders that expanded to ``total``:
+        what the known counts leave to one unknown image, or an even split among unknown
+        images of one size (a count depends on the size alone)."""
+        unknown: list[MediaInput] = []
+        for item in run:
+            count = self.get(item.uuid)
+            count = count if count is not None else item.num_tokens
+            if count is None:
+                unknown.append(item)
+            else:
+                total -= count
+        if not unknown:
+            return {}
+        uuids = {item.uuid for item in unknown}
+        sizes = {self._sizes.get(uuid) for uuid in uuids}
+        if len(uuids) > 1 and (len(sizes) != 1 or None in sizes):
+            return {}
+        count, remainder = divmod(total, len(unknown))
+        if remainder or count <= 0:
+            return {}
+        return dict.fromkeys(uuids, count)
 
     def observe(
         self,
@@ -161,5 +221,5 @@ class LearnedTokenCounts:
         count, remainder = divmod(image_total, repeats)
         if remainder or count <= 0:
             return None
-        self._counts.put(unknown, count)
+        self._learn(unknown, count)
         return unknown

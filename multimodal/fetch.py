@@ -1,7 +1,8 @@
 """Fetching images over HTTP(S) with one shared client, hard limits and address checks.
 
 Redirects are followed by hand so that every hop's scheme and addresses are checked; the body
-is read in chunks and abandoned the moment it passes the size limit; one deadline covers the
+is read in chunks, as sent (a compressed body is refused, never inflated), and abandoned the
+moment it passes the size limit; one deadline covers the
 whole fetch, redirects included, on top of httpx's connect and read timeouts. Environment
 proxies are ignored, as a proxy would make the address checks meaningless.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
-import httpcore
 import httpx
 
-from multimodal.addresses import AddressPolicy, GuardedBackend
+from multimodal.addresses import AddressPolicy
 from multimodal.errors import ImageRefused
 from multimodal.http_cache import FetchCache
+from multimodal.transport import GuardedTransport
 from multimodal.types import MediaConfig
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -23,26 +24,28 @@ _SHOWN_URL_CHARS = 120
 
 
 def shown(url: str) -> str:
-    return url if len(url) <= _SHOWN_URL_CHARS else url[: _SHOWN_URL_CHARS - 3] + "..."
+    text = ascii(url)[1:-1]
+    return text if len(text) <= _SHOWN_URL_CHARS else text[: _SHOWN_URL_CHARS - 3] + "..."
 
 
-class _GuardedTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport with its connection pool swapped for one on :class:`GuardedBackend`.
+def parse_url(url: str, base: httpx.URL | None = None) -> httpx.URL:
+    """``url`` (relative to ``base``, for a redirect's Location) as an http(s) URL with a host
+    and a valid port, or an :class:`ImageRefused` saying why not.
 
-    httpx has no public way to pass httpcore a network backend; rebuilding the pool it made
-    is the smallest change that keeps httpx's request mapping and error translation.
+    httpx and the IDNA codec refuse malformed hosts, ports and IPv4/IPv6 literals with
+    several exception types (``InvalidURL``, ``UnicodeError``, ``ValueError``); all of them are
+    a client's mistake here.
     """
-
-    def __init__(self, policy: AddressPolicy, limits: httpx.Limits) -> None:
-        ssl_context = httpx.create_ssl_context(trust_env=False)
-        super().__init__(verify=ssl_context, limits=limits, trust_env=False, retries=0)
-        self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl_context,
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=GuardedBackend(policy),
-        )
+    try:
+        target = base.join(url) if base is not None else httpx.URL(url)
+        scheme, host, port = target.scheme, target.host, target.port
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ImageRefused(f"cannot fetch {shown(url)}: {exc}") from None
+    if scheme not in ("http", "https") or not host:
+        raise ImageRefused(f"cannot fetch {shown(url)}: only http(s) URLs with a host")
+    if port is not None and not 0 < port < 65536:
+        raise ImageRefused(f"cannot fetch {shown(url)}: port {port} is out of range")
+    return target
 
 
 class ImageFetcher:
@@ -56,7 +59,7 @@ class ImageFetcher:
             max_keepalive_connections=config.max_connections,
         )
         self._client = httpx.AsyncClient(
-            transport=_GuardedTransport(policy, limits),
+            transport=GuardedTransport(policy, limits),
             timeout=httpx.Timeout(
                 connect=config.connect_timeout,
                 read=config.read_timeout,
@@ -87,16 +90,14 @@ class ImageFetcher:
             connecting = isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
             phase = "connecting" if connecting else "reading"
             raise ImageRefused(f"fetching {shown(url)} timed out while {phase}") from None
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as exc:
             detail = str(exc) or type(exc).__name__
             raise ImageRefused(f"fetching {shown(url)} failed: {detail}") from None
 
     async def _follow(self, url: str) -> bytes:
-        current = url
+        target = parse_url(url)
         for _hop in range(self._config.max_redirects + 1):
-            target = httpx.URL(current)
-            if target.scheme not in ("http", "https") or not target.host:
-                raise ImageRefused(f"cannot fetch {shown(current)}: only http(s) URLs with a host")
+            current = str(target)
             cached = self.cache.lookup(current)
             if cached is not None and self.cache.is_fresh(cached):
                 self.cache_hits += 1
@@ -109,7 +110,7 @@ class ImageFetcher:
                     location = response.headers.get("location")
                     if not location:
                         raise ImageRefused(f"redirect without a Location from {shown(current)}")
-                    current = str(target.join(location))
+                    target = parse_url(location, base=target)
                     continue
                 if response.status_code == 304 and cached is not None:
                     self.revalidated += 1
@@ -128,15 +129,32 @@ class ImageFetcher:
         )
 
     async def _read_bounded(self, response: httpx.Response, url: str) -> bytes:
+        """The body as sent, never decompressed: the fetcher asks for ``identity`` and refuses
+        any other content coding, so a few hundred bytes cannot inflate to gigabytes."""
         limit = self._config.max_image_bytes
+        codings = [
+            part.strip().lower()
+            for part in response.headers.get("content-encoding", "").split(",")
+            if part.strip()
+        ]
+        if any(coding != "identity" for coding in codings):
+            raise ImageRefused(
+                f"{shown(url)} was sent with Content-Encoding "
+                f"{response.headers['content-encoding']!r}; images must be sent uncompressed"
+            )
         declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if (
+            declared is not None
+            and declared.isascii()
+            and declared.isdigit()
+            and int(declared) > limit
+        ):
             raise ImageRefused(
                 f"{shown(url)} is {int(declared)} bytes, over the limit of {limit} bytes"
             )
         chunks: list[bytes] = []
         size = 0
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():
             size += len(chunk)
             if size > limit:
                 raise ImageRefused(f"{shown(url)} is over the limit of {limit} bytes")

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from multimodal.addresses import AddressPolicy, Resolver
 from multimodal.decode import DecodedImage, DecodeLimits, ImageDecoder
-from multimodal.errors import ImageError, ImageRefused
+from multimodal.errors import ImageError, ImageRefused, ImagesOverBudget
 from multimodal.expansion import ImageTokenFormula, LearnedTokenCounts, formula_for
-from multimodal.fetch import ImageFetcher
+from multimodal.fetch import ImageFetcher, parse_url
 from multimodal.identity import url_identity
 from multimodal.types import ImageRef, MediaConfig
 from sidecar.types import EngineInfo, MediaInput
 
 _DETAILS = frozenset({"auto", "low", "high"})
+_T = TypeVar("_T")
 
 
 class MediaPreparer:
@@ -56,11 +58,18 @@ class MediaPreparer:
     def formula(self) -> ImageTokenFormula | None:
         return self._formula
 
-    async def prepare(self, images: Sequence[ImageRef]) -> tuple[MediaInput, ...]:
+    async def prepare(
+        self, images: Sequence[ImageRef], token_budget: int | None = None
+    ) -> tuple[MediaInput, ...]:
         """One :class:`MediaInput` per image, in order; raises :class:`ImageError`.
 
         Images with the same URL text are fetched and decoded once. On the first refusal the
         other images' work is cancelled and the refusal with the lowest index is raised.
+
+        With a ``token_budget`` (the tokens the context leaves for the images), the images
+        are counted from their headers once all are fetched, and refused together
+        (:class:`ImagesOverBudget`) before any pixel is decoded when they surely expand past
+        it: decoding is the expensive part, in time and memory.
         """
         limit = self.config.max_images
         if len(images) > limit:
@@ -71,20 +80,36 @@ class MediaPreparer:
         for index, ref in enumerate(images):
             self._check_ref(index, ref)
             first_index.setdefault(ref.url, index)
-        loaded = await self._load_all(first_index)
+        sources, failure = await self._each(first_index, self._source)
+        if failure is not None:
+            # An earlier image that only its decoding refuses is still the one to report.
+            earlier = {url: i for url, i in first_index.items() if i < failure.index}
+            _, decoded = await self._each(earlier, lambda i, url: self._decode(i, sources[url]))
+            raise decoded or failure
+        if token_budget is not None:
+            await self._check_budget(images, first_index, sources, token_budget)
+        loaded, failure = await self._each(
+            first_index, lambda index, url: self._decode(index, sources[url])
+        )
+        if failure is not None:
+            raise failure
         return tuple(
             self._media_input(index, ref, loaded[ref.url]) for index, ref in enumerate(images)
         )
 
-    async def _load_all(self, first_index: dict[str, int]) -> dict[str, DecodedImage | str]:
-        """Load every distinct image concurrently; raise the lowest-index refusal.
+    async def _each(
+        self,
+        first_index: dict[str, int],
+        work: Callable[[int, str], Awaitable[_T]],
+    ) -> tuple[dict[str, _T], ImageError | None]:
+        """``work`` for every distinct image concurrently: the results by URL, and the
+        lowest-index refusal (then the results hold every image before it).
 
         After a refusal, work on later images is cancelled at once, while earlier ones run on
         because one of them may fail too: the error a client sees does not depend on timing.
         """
         tasks = {
-            asyncio.ensure_future(self._load(index, url)): index
-            for url, index in first_index.items()
+            asyncio.ensure_future(work(index, url)): index for url, index in first_index.items()
         }
         try:
             pending = set(tasks)
@@ -105,19 +130,99 @@ class MediaPreparer:
                         if tasks[task] > limit:
                             task.cancel()
                     pending = {task for task in pending if tasks[task] < limit}
-            if first is not None:
-                raise first
-            by_index = {index: task.result() for task, index in tasks.items()}
-            return {url: by_index[index] for url, index in first_index.items()}
+            by_index = {
+                index: task.result()
+                for task, index in tasks.items()
+                if first is None or index < first.index
+            }
+            results = {url: by_index[i] for url, i in first_index.items() if i in by_index}
+            return results, first
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def observe(
-        self, media: Sequence[MediaInput], prompt_len: int, expanded_prompt_tokens: int
+    async def _check_budget(
+        self,
+        images: Sequence[ImageRef],
+        first_index: dict[str, int],
+        sources: dict[str, bytes | str],
+        budget: int,
     ) -> None:
-        """Learn token counts from vLLM's first answer (``Delta.prompt_tokens``)."""
+        """Refuse when the images' fewest possible tokens pass ``budget``: a count learnt for
+        the client's uuid, else the formula (or a count learnt for that size) at the header's
+        size in either orientation (EXIF may turn it), else one token (the placeholder) for
+        an image nothing is known about."""
+
+        async def size(index: int, url: str) -> tuple[int, int] | None:
+            source = sources[url]
+            if isinstance(source, str):
+                return None
+            try:
+                return await self.decoder.size(source)
+            except ImageRefused as refusal:
+                raise refusal.at(index) from None
+
+        sizes, failure = await self._each(first_index, size)
+        if failure is not None:
+            raise failure
+        total = 0
+        for index, ref in enumerate(images):
+            learned = self.learned.get(ref.uuid) if ref.uuid else None
+            dimensions = sizes[ref.url]
+            if learned is not None:
+                total += learned
+            elif dimensions is not None and self._formula is not None:
+                width, height = dimensions
+                try:
+                    total += min(
+                        self._formula.tokens(width, height), self._formula.tokens(height, width)
+                    )
+                except ImageRefused as refusal:
+                    raise refusal.at(index) from None
+            elif dimensions is not None:
+                # Without a formula, a count learnt for an image of this size (EXIF may turn
+                # it, so only when both orientations are known).
+                width, height = dimensions
+                upright = self.learned.for_size(width, height)
+                turned = self.learned.for_size(height, width)
+                total += min(upright, turned) if upright and turned else 1
+            else:
+                total += 1
+        if total > budget:
+            raise ImagesOverBudget(total, budget)
+
+    async def _source(self, index: int, url: str) -> bytes | str:
+        """The image's bytes, or the URL itself when vLLM is to fetch it (pass-through)."""
+        try:
+            if url[:5].lower() == "data:":
+                return await self.decoder.data_uri_bytes(url, self.config.max_image_bytes)
+            if self.config.mode == "passthrough":
+                parse_url(url)
+                return url
+            return await self.fetcher.fetch(url)
+        except ImageRefused as refusal:
+            raise refusal.at(index) from None
+
+    async def _decode(self, index: int, source: bytes | str) -> DecodedImage | str:
+        if isinstance(source, str):
+            return source
+        try:
+            return await self.decoder.decode(source)
+        except ImageRefused as refusal:
+            raise refusal.at(index) from None
+
+    def observe(
+        self,
+        media: Sequence[MediaInput],
+        prompt_len: int,
+        expanded_prompt_tokens: int,
+        expanded_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Learn token counts from vLLM's first answer: per image from the expanded ids
+        (``Delta.prompt_token_ids``) when present, else from ``Delta.prompt_tokens``."""
+        if expanded_ids and self.learned.observe_runs(media, prompt_len, expanded_ids):
+            return
         self.learned.observe(media, prompt_len, expanded_prompt_tokens)
 
     def _check_ref(self, index: int, ref: ImageRef) -> None:
@@ -134,17 +239,6 @@ class MediaPreparer:
         if not scheme.startswith(("data:", "http://", "https://")):
             raise ImageError(index, "image url must be a data: URI or an http(s):// URL")
 
-    async def _load(self, index: int, url: str) -> DecodedImage | str:
-        """The decoded image, or the URL itself when vLLM is to fetch it (pass-through)."""
-        try:
-            if url[:5].lower() == "data:":
-                return await self.decoder.decode_data_uri(url, self.config.max_image_bytes)
-            if self.config.mode == "passthrough":
-                return url
-            return await self.decoder.decode(await self.fetcher.fetch(url))
-        except ImageRefused as refusal:
-            raise refusal.at(index) from None
-
     def _media_input(self, index: int, ref: ImageRef, loaded: DecodedImage | str) -> MediaInput:
         if isinstance(loaded, str):
             uuid = ref.uuid or url_identity(loaded)
@@ -159,8 +253,11 @@ class MediaPreparer:
 
     def _count(self, index: int, uuid: str, image: DecodedImage) -> int | None:
         learned = self.learned.get(uuid)
-        if learned is not None or self._formula is None:
+        self.learned.saw(uuid, image.width, image.height)
+        if learned is not None:
             return learned
+        if self._formula is None:
+            return self.learned.for_size(image.width, image.height)
         try:
             return self._formula.tokens(image.width, image.height)
         except ImageRefused as refusal:

@@ -18,7 +18,8 @@ time. A request that opens ``weight`` streams (OpenAI ``n``) waits until that ma
 free at once, so two such requests cannot each hold half of what both need; a waiter that does
 not fit yet holds up its own queue only. Past the queue's bound, or its deadline, the request
 is refused with :class:`~sidecar.errors.GatewayOverloaded` (HTTP 429 with ``Retry-After``).
-A completions batch sends each prompt as its own request, admitted on its own.
+A completions batch is admitted the same way, as one request whose weight is every prompt's
+choices (``Sidecar.generate_batch``): it runs whole or is refused before any prompt is sent.
 
 The uncontended path is a comparison on admission and one counter update per stream taken or
 given back; heaps, futures and timers exist only while something waits.
@@ -29,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections.abc import Iterator
 
 import msgspec
 
 from sidecar.errors import EngineUnavailable, GatewayOverloaded
-from sidecar.types import EngineInfo
+from sidecar.types import EngineInfo, RequestTrace
 
 # The key of the one pool the ``engine`` policy admits against (vLLM chooses the rank).
 GROUP = -1
@@ -191,15 +193,23 @@ class Admission:
         if self.waiting and self.free:
             self._grant()
 
+    def grant(
+        self, rank: int | None, weight: int, priority: int, trace: RequestTrace | None = None
+    ) -> Grant:
+        """The admission of one request that opens ``weight`` streams on ``rank`` (None: on
+        any ranks), to enter with ``async with``; ``trace`` records it when tracing is on."""
+        return Grant(self, self.key_of(rank), weight, priority, trace)
+
     # ---------------------------------------------------------------- waiting
 
     async def wait(self, key: int | None, weight: int, priority: int) -> None:
         """Wait until ``weight`` slots (clamped to what the pool can ever give) are free on
         ``key`` (None: on any ranks), reserved for this caller alone.
 
-        On return the reservation has been given back, so the caller must take its slots
-        before it next awaits (then call :meth:`settle`). Raises GatewayOverloaded when the
-        queue is full or the deadline passes, EngineUnavailable once closed.
+        On return the reservation has been given back: requests wait through :class:`Grant`,
+        which takes the slots before the next await and settles afterwards. Raises
+        GatewayOverloaded when the queue is full or the deadline passes, EngineUnavailable
+        once closed.
         """
         if self._closed is not None:
             raise self._closed
@@ -355,6 +365,59 @@ class Admission:
                 pinned[key] = live
         self._pinned = pinned
         self._stale = 0
+
+
+class Grant(msgspec.Struct, eq=False):
+    """One request's admission: ``async with admission.grant(...) as grant`` waits for its
+    slots, and the body launches its streams, each holding a slot through :meth:`take`.
+
+    The body must take its slots without awaiting: a woken waiter's reserved slots are free
+    again when it resumes, so the router can judge affinity and load among every rank with room
+    at launch time, and only the event loop's turn keeps another request from taking them
+    first. Leaving hands on whatever the body left free (it routed elsewhere, or failed).
+    """
+
+    _admission: Admission
+    _key: int | None
+    _weight: int
+    _priority: int
+    _trace: RequestTrace | None = None
+    _waited: bool = False
+
+    async def __aenter__(self) -> Grant:
+        """Raises GatewayOverloaded when the queue is full or the wait times out,
+        EngineUnavailable once admission is closed."""
+        admission = self._admission
+        trace = self._trace
+        if admission.fits(self._key, self._weight):
+            if trace is not None:
+                trace.admission(False, time.time_ns())
+            return self
+        self._waited = True
+        if trace is None:
+            await admission.wait(self._key, self._weight, self._priority)
+            return self
+        start = time.time_ns()
+        try:
+            await admission.wait(self._key, self._weight, self._priority)
+        except BaseException as error:
+            trace.admission(True, start, str(error) or type(error).__name__)
+            raise
+        trace.admission(True, start)
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        if self._waited:
+            self._admission.settle()
+
+    def take(self, rank: int | None) -> int | None:
+        """Hold a slot for one stream sent to ``rank`` (None: vLLM chooses), over the limit
+        when the body insists; the key to give it back under (None: the stream holds none)."""
+        admission = self._admission
+        key = GROUP if admission.group else rank  # admission.key_of, on the per-stream path
+        if key is not None:
+            admission.take(key)
+        return key
 
 
 def _live(heap: list[_Entry]) -> int:

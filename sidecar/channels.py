@@ -47,15 +47,20 @@ _HEALTH_STUB: Any = health_pb2_grpc.HealthStub
 class Stubs:
     """The clients of one slot."""
 
-    # Typed loosely like the generated stubs: callers treat its calls the grpc.aio way.
-    inference: Any
+    inference: InferenceClient
     control: Any
     kv_transfer: Any
     health: Any
 
 
 class ChannelPool:
-    def __init__(self, endpoint: Endpoint, size: int, tls_ca_file: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        size: int,
+        tls_ca_file: str | None = None,
+        retry_after: float = 1.0,
+    ) -> None:
         credentials = None
         tls = None
         if endpoint.tls:
@@ -72,7 +77,7 @@ class ChannelPool:
             self._channels.append(channel)
             stubs.append(
                 Stubs(
-                    inference=InferenceClient(endpoint, MAX_MESSAGE_BYTES, tls),
+                    inference=InferenceClient(endpoint, MAX_MESSAGE_BYTES, tls, retry_after),
                     control=_CONTROL_STUB(channel),
                     kv_transfer=_KV_TRANSFER_STUB(channel),
                     health=_HEALTH_STUB(channel),

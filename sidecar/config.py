@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+# The bound on each Control-plane call (discovery, abort, adapter listing).
+CONTROL_RPC_TIMEOUT_S = 10.0
+
 
 class SidecarConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Connection and lifecycle knobs.
@@ -12,7 +15,8 @@ class SidecarConfig(msgspec.Struct, frozen=True, kw_only=True):
     name it reports itself, which then stays accepted as an alias.
 
     ``decode_handoff_timeout`` bounds how long a disaggregated decode request whose client left
-    is still read for its first token, so the KV transfer it started can complete.
+    is still read for its first token, so the KV transfer it started can complete (and, on the
+    decode side's config, how long an aborted prefill is read for its end).
     """
 
     endpoint: str

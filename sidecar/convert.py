@@ -22,6 +22,7 @@ from typing import Any
 
 from sidecar.errors import EngineFailure, InvalidRequest
 from sidecar.proto.vllm import inference_pb2 as pb
+from sidecar.routing.hashing import tagged_salt
 from sidecar.types import (
     Delta,
     FinishReason,
@@ -33,8 +34,6 @@ from sidecar.types import (
     TokenLogprob,
 )
 
-CACHE_SALT_PREFIX = "rankgate-salt:"
-
 _INT64_MAX = (1 << 63) - 1
 _UINT64 = 1 << 64
 
@@ -43,11 +42,6 @@ _FINISH_REASONS: dict[int, FinishReason] = {
     pb.FinishInfo.STOP: "stop",
     pb.FinishInfo.ABORTED: "abort",
 }
-
-
-def tagged_salt(salt: str) -> str:
-    """The cache salt as sent to vLLM (and as it appears in KV-event ``extra_keys``)."""
-    return CACHE_SALT_PREFIX + salt
 
 
 def is_decode_handoff(request: PreparedRequest) -> bool:
@@ -229,15 +223,17 @@ def _media(item: MediaInput) -> pb.MediaItem:
 
 
 def encode_transfer_params(target: Any, params: dict[str, Any]) -> None:
-    """Fill the ``google.protobuf.Struct`` ``target``. Integers become strings: Struct numbers
-    are doubles, and KV connectors format values such as ``remote_port`` into URLs, where
-    ``8000.0`` would break them."""
-    target.update(_ints_as_strings(params))
+    """Fill the ``google.protobuf.Struct`` ``target`` with ``params`` in their JSON types.
+
+    Struct numbers are doubles, so ``remote_port`` arrives as ``5600.0``; vLLM's NIXL connector
+    accepts that, but not strings where it compares sizes (``dcp_size``), so numbers are never
+    turned into strings (observed on vLLM 0.32)."""
+    target.update(params)
 
 
 def decode_transfer_params(message: Any) -> dict[str, Any]:
-    """``google.protobuf.Struct`` → dict, integral doubles restored to ints (so a port that
-    came back as 8000.0 is forwarded as "8000", not "8000.0")."""
+    """``google.protobuf.Struct`` → dict, integral doubles read back as ints (a port that came
+    as 8000.0 is 8000 to the gateway; it goes out as a number again)."""
     return {key: _value(value) for key, value in message.fields.items()}
 
 
@@ -257,18 +253,6 @@ def _value(value: Any) -> Any:
     return None
 
 
-def _ints_as_strings(value: Any) -> Any:
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(key): _ints_as_strings(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_ints_as_strings(item) for item in value]
-    return value
-
-
 def merge_responses(into: pb.GenerateResponse, more: list[pb.GenerateResponse]) -> bool:
     """Append every message of ``more`` to ``into`` (True), or none of them: text deltas
     concatenate, token ids extend, the finish carries over, as vLLM's own output collector
@@ -276,8 +260,8 @@ def merge_responses(into: pb.GenerateResponse, more: list[pb.GenerateResponse]) 
     or when a message of ``more`` starts a stream or follows a finish.
 
     Only for streams that asked for no logprobs (``wants_logprobs``): their per-token lists
-    would need aligning. Each field access on a message costs a fraction of a microsecond, so
-    the repeated fields are joined by ``MergeFrom`` and the text is set once.
+    would need aligning. A field access on a message costs far more than on a plain object,
+    so the repeated fields are joined by ``MergeFrom`` and the text is set once.
     """
     out = into.outputs
     if out.HasField("finish_info"):
@@ -312,27 +296,35 @@ class DeltaDecoder:
     choice's first real delta instead of producing an empty delta of their own.
     """
 
-    __slots__ = ("_prompt_token_ids", "_prompt_tokens", "_want_logprobs", "index")
+    __slots__ = ("_first", "_prompt_token_ids", "_prompt_tokens", "_want_logprobs", "index")
 
     def __init__(self, index: int, want_logprobs: bool) -> None:
         self.index = index
         self._want_logprobs = want_logprobs
+        # vLLM sets ``prompt_info`` on a stream's first message only (SPEC.md); a field test
+        # on a message costs a lookup by name, so later messages are not asked.
+        self._first = True
         self._prompt_tokens: int | None = None
         self._prompt_token_ids: tuple[int, ...] | None = None
 
     def feed(self, response: pb.GenerateResponse) -> Delta | None:
         """The delta this response contributes, or None when it carries nothing to emit yet."""
-        if response.HasField("prompt_info"):
+        # Repeated fields are copied by slicing, in one call: iterating one ends in an
+        # IndexError whose message is formatted and dropped, once per message.
+        if self._first and response.HasField("prompt_info"):
             info = response.prompt_info
             self._prompt_tokens = info.num_prompt_tokens
-            if info.token_ids:
-                self._prompt_token_ids = tuple(info.token_ids)
+            prompt_ids = info.token_ids[:]
+            if prompt_ids:
+                self._prompt_token_ids = tuple(prompt_ids)
+        self._first = False
         output = response.outputs
-        token_ids = output.token_ids
+        token_ids = output.token_ids[:]
+        text = output.text
         finished = output.HasField("finish_info")
-        if not token_ids and not output.text and not finished:
+        if not token_ids and not text and not finished:
             return None
-        delta = Delta(index=self.index, text=output.text, token_ids=tuple(token_ids))
+        delta = Delta(index=self.index, text=text, token_ids=tuple(token_ids))
         if self._prompt_tokens is not None:
             delta.prompt_tokens = self._prompt_tokens
             delta.prompt_token_ids = self._prompt_token_ids
@@ -346,14 +338,14 @@ class DeltaDecoder:
 
 
 def _logprobs(output: pb.SequenceOutput) -> tuple[TokenLogprob, ...]:
-    logprobs = output.logprobs
-    ranks = output.ranks
-    candidates = output.candidate_tokens
+    logprobs = output.logprobs[:]
+    ranks = output.ranks[:]
+    candidates = output.candidate_tokens[:]
     result = []
-    for position, token_id in enumerate(output.token_ids):
+    for position, token_id in enumerate(output.token_ids[:]):
         top: tuple[tuple[int, float, int], ...] = ()
         if position < len(candidates):
-            top = tuple((t.id, t.logprob, t.rank) for t in candidates[position].tokens)
+            top = tuple((t.id, t.logprob, t.rank) for t in candidates[position].tokens[:])
         result.append(
             TokenLogprob(
                 token_id,

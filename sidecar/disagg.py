@@ -7,8 +7,10 @@ came, to the decode side with the original prompt and images, so both engines pr
 the same way. The client only ever sees the decode's deltas, so usage and streaming look
 exactly as they do when one engine serves both phases.
 
-Cancellation (SPEC.md section 8): while the prefill runs, its stream is dropped at once. Once
-the decode has been submitted, the decode sidecar owns the hand-off: until the first token it
+Cancellation (SPEC.md section 8): a prefill whose client leaves is aborted through
+``Control.Abort`` and read to its end, and if it had finished, the decode side reads its KV
+and drops it, so no prefill's blocks wait out vLLM's KV lease. Once the decode has been
+submitted, the decode sidecar owns the hand-off: until the first token it
 keeps reading in the background (bounded by ``decode_handoff_timeout``), so the engine's KV
 transfer completes; after it, the stream is dropped at once. Shutdown pre-empts the drain.
 """
@@ -24,7 +26,14 @@ import msgspec
 
 from sidecar.admission import Admission
 from sidecar.engine import Sidecar
-from sidecar.errors import BadEngineResponse, DiscoveryError, EngineUnavailable, InvalidRequest
+from sidecar.errors import (
+    BadEngineResponse,
+    DiscoveryError,
+    EngineUnavailable,
+    InvalidRequest,
+    SidecarError,
+)
+from sidecar.routing.hashing import image_runs
 from sidecar.routing.policy import RoutingConfig
 from sidecar.types import (
     Delta,
@@ -54,6 +63,8 @@ _PREFILL_OUTPUT = OutputOptions()
 # tokens an image it has not seen before expands to.
 _PREFILL_OUTPUT_WITH_IDS = OutputOptions(prompt_token_ids=True)
 _INT64 = 1 << 63
+# A finished prefill: its transfer params, the expanded prompt's length and (with images) ids.
+Prefilled = tuple[dict[str, Any], int, tuple[int, ...]]
 
 
 def routing_for(base: RoutingConfig) -> RoutingConfig:
@@ -76,6 +87,8 @@ class DisaggregatedEngine:
         self._prefill = prefill
         self._decode = decode
         self._info: tuple[EngineInfo, EngineInfo, EngineInfo] | None = None
+        # Prefills whose client left, being aborted and read to their end.
+        self._settling: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -116,7 +129,11 @@ class DisaggregatedEngine:
         )
 
     async def close(self) -> None:
-        """Close both sides; the decode side's pending hand-offs are dropped, not drained."""
+        """Close both sides; pending hand-offs and prefill aborts are dropped, not drained."""
+        for task in list(self._settling):
+            task.cancel()
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
         await asyncio.gather(self._prefill.close(), self._decode.close())
 
     @property
@@ -184,16 +201,19 @@ class DisaggregatedEngine:
 
     async def _choice(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
         decode = _single_choice(request, choice)
-        prefilled = await self._run_prefill(decode)
+        # The prefill runs in a task of its own: a client that leaves mid-prefill must not
+        # cut it off unseen (see _settle_prefill).
+        outcome = asyncio.ensure_future(self._run_prefill(decode))
+        try:
+            prefilled = await asyncio.shield(outcome)
+        except BaseException:
+            self._settle_prefill(outcome, decode)
+            raise
         if isinstance(prefilled, Delta):
             prefilled.index = choice
             yield prefilled
             return
-        params, expanded = prefilled
-        media = decode.media
-        if media:
-            media = learned_media(media, len(decode.prompt_token_ids), expanded)
-        decode = msgspec.structs.replace(decode, kv_transfer_params=params, media=media)
+        decode = _decode_request(decode, prefilled)
         stream = self._decode.generate(decode, decode_handoff=True)
         try:
             async for delta in stream:
@@ -203,7 +223,76 @@ class DisaggregatedEngine:
         finally:
             await stream.aclose()
 
-    async def _run_prefill(self, request: PreparedRequest) -> tuple[dict[str, Any], int] | Delta:
+    def _settle_prefill(
+        self, outcome: asyncio.Future[Prefilled | Delta], decode: PreparedRequest
+    ) -> None:
+        """The client left while the prefill of ``decode`` ran: end it without stranding KV.
+
+        Dropping the prefill's stream aborts it, and an aborted prefill frees its blocks; but
+        a prefill that finished a moment before the drop keeps its blocks for a decode that
+        never comes, until vLLM's KV lease (30 s) ends. So a prefill already on the engine is
+        stopped through ``Control.Abort`` and read to its end, bounded by the decode side's
+        hand-off timeout: aborted, it is done; finished, the decode side reads its KV and
+        drops it (:meth:`Sidecar.hand_off_kv`). One still waiting for a prefill slot was never
+        sent and is simply cancelled.
+        """
+        if outcome.done():
+            self._hand_off_if_finished(outcome, decode)
+            return
+        if not self._prefill.sent(decode.request_id):
+            outcome.cancel()
+            return
+        task = asyncio.get_running_loop().create_task(self._abort_prefill(outcome, decode))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _abort_prefill(
+        self, outcome: asyncio.Future[Prefilled | Delta], decode: PreparedRequest
+    ) -> None:
+        try:
+            try:
+                await self._prefill.abort([decode.request_id])
+            except SidecarError as error:
+                log.warning(
+                    "could not abort the prefill of %s after its client left: %s",
+                    decode.request_id,
+                    error.message,
+                )
+                outcome.cancel()
+            timeout = self._decode.handoff_timeout
+            done, _ = await asyncio.wait({outcome}, timeout=timeout)
+            if not done:
+                log.warning(
+                    "the prefill of %s had not ended %.1f s after its client left; dropping "
+                    "it (its KV may be held until its lease ends)",
+                    decode.request_id,
+                    timeout,
+                )
+                return
+            self._hand_off_if_finished(outcome, decode)
+        finally:
+            # Past the bound, or at shutdown (which cancels this task), the stream is dropped.
+            outcome.cancel()
+
+    def _hand_off_if_finished(
+        self, outcome: asyncio.Future[Prefilled | Delta], decode: PreparedRequest
+    ) -> None:
+        """A prefill that ended with KV held for ``decode``: the decode side reads and drops it."""
+        if outcome.cancelled() or outcome.exception() is not None:
+            return
+        prefilled = outcome.result()
+        if isinstance(prefilled, Delta):
+            return
+        try:
+            self._decode.hand_off_kv(_decode_request(decode, prefilled))
+        except SidecarError as error:  # the KV then waits out its lease: say so
+            log.warning(
+                "could not hand off the KV of %s after its client left: %s",
+                decode.request_id,
+                error.message,
+            )
+
+    async def _run_prefill(self, request: PreparedRequest) -> Prefilled | Delta:
         """Run the one-token prefill; its transfer params and expanded prompt length, or the
         finishing delta to hand the client when the prefill was aborted engine-side."""
         prefill = PreparedRequest(
@@ -218,16 +307,18 @@ class DisaggregatedEngine:
             lora_name=request.lora_name,
             media=request.media,
             kv_transfer_params=PREFILL_TRANSFER_PARAMS,
-            # One reply instead of a stream: about half the gRPC work of the prefill leg.
+            # One reply instead of a stream: less gRPC work for the prefill leg.
             stream=False,
         )
         stream = self._prefill.generate(prefill)
         expanded = 0
+        expanded_ids: tuple[int, ...] = ()
         last: Delta | None = None
         try:
             async for delta in stream:
                 if delta.prompt_token_ids is not None:
-                    expanded = len(delta.prompt_token_ids)
+                    expanded_ids = tuple(delta.prompt_token_ids)
+                    expanded = len(expanded_ids)
                 elif delta.prompt_tokens is not None:
                     expanded = delta.prompt_tokens
                 last = delta
@@ -246,7 +337,7 @@ class DisaggregatedEngine:
                 "kv_transfer_params, so there is no KV for a decode engine to pull; check that "
                 "it runs with a KV connector (kv_role kv_producer or kv_both)"
             )
-        return params, expanded
+        return params, expanded, expanded_ids
 
 
 def _side_info(sidecar: Sidecar, side: str) -> EngineInfo:
@@ -254,6 +345,15 @@ def _side_info(sidecar: Sidecar, side: str) -> EngineInfo:
         return sidecar.info
     except EngineUnavailable as error:
         raise EngineUnavailable(f"{side} engine: {error.message}", error.retry_after) from None
+
+
+def _decode_request(decode: PreparedRequest, prefilled: Prefilled) -> PreparedRequest:
+    """``decode`` carrying its prefill's transfer params, its images' sizes learned from it."""
+    params, expanded, expanded_ids = prefilled
+    media = decode.media
+    if media:
+        media = learned_media(media, len(decode.prompt_token_ids), expanded, expanded_ids)
+    return msgspec.structs.replace(decode, kv_transfer_params=params, media=media)
 
 
 def _single_choice(request: PreparedRequest, choice: int) -> PreparedRequest:
@@ -272,10 +372,25 @@ def _single_choice(request: PreparedRequest, choice: int) -> PreparedRequest:
 
 
 def learned_media(
-    media: tuple[MediaInput, ...], prompt_len: int, expanded: int
+    media: tuple[MediaInput, ...],
+    prompt_len: int,
+    expanded: int,
+    expanded_ids: tuple[int, ...] = (),
 ) -> tuple[MediaInput, ...]:
-    """``media`` with the token count of its one image of unknown size filled in from the
-    prefill's expanded prompt length (each image is one placeholder in ``prompt_len``)."""
+    """``media`` with the token counts of images of unknown size filled in from the prefill's
+    expanded prompt: each placeholder's run in ``expanded_ids`` when the images' positions are
+    known, else the one unknown image from the expanded length (each image is one
+    placeholder in ``prompt_len``)."""
+    positions = [item.position for item in media]
+    if expanded_ids and all(position is not None for position in positions):
+        groups = image_runs([p for p in positions if p is not None], prompt_len, expanded_ids)
+        filled = list(media)
+        for members, total in groups or ():
+            missing = [i for i in members if media[i].num_tokens is None]
+            rest = total - sum(media[i].num_tokens or 0 for i in members)
+            if len(missing) == 1 and rest > 0:
+                filled[missing[0]] = msgspec.structs.replace(media[missing[0]], num_tokens=rest)
+        return tuple(filled)
     unknown = [i for i, item in enumerate(media) if item.num_tokens is None]
     if len(unknown) != 1 or expanded <= 0:
         return media

@@ -64,7 +64,7 @@ def parse_endpoint(text: str) -> Endpoint:
             raise EndpointError(f"endpoint {text!r} has no port")
         port = default_port
     else:
-        if not port_text.isdigit():
+        if not (port_text.isascii() and port_text.isdigit()):
             raise EndpointError(f"endpoint {text!r}: port {port_text!r} is not a number")
         port = int(port_text)
         if not 0 < port < 65536:

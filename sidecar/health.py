@@ -60,6 +60,7 @@ async def wait_for_serving(
     loop = asyncio.get_running_loop()
     for service in services:
         reason = f"{service} was not probed"
+        answered = False
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -68,7 +69,11 @@ async def wait_for_serving(
             found = await probe(health, service, rpc_timeout=attempt_timeout)
             if found is None:
                 break
-            reason = found
+            # The engine's own answer (NOT_SERVING, refused) says more than a probe that ran
+            # out of time on a busy host, which is often the last one before the deadline.
+            if _SLOW not in found or not answered:
+                reason = found
+                answered = _SLOW not in found
             log.debug("waiting for vLLM: %s", reason)
             await asyncio.sleep(min(retry_interval, max(deadline - loop.time(), 0.0)))
 

@@ -1,17 +1,18 @@
-"""One HTTP/2 connection that speaks just enough gRPC for vLLM's two Inference calls.
+"""The client role of the HTTP/2 core: just enough gRPC for vLLM's two Inference calls.
 
 Why not grpcio here: every message grpc.aio hands out crosses three threads (C-core's event
 engine reads the socket, a poller thread drains the completion queue and wakes the event loop
-through a socket) and costs 60-80 µs of CPU on this project's machines, more than the whole
-per-token budget. This protocol parses frames in the event loop's own ``data_received`` and
-hands a message to the waiting reader directly; control-plane RPCs stay on grpcio.
+through a socket) and costs far more CPU than the whole per-token budget. This protocol feeds
+the socket's bytes to the sans-IO core (:mod:`sidecar.h2`) in the event loop's own
+``data_received``, and the core hands each DATA frame to the waiting call directly; control-
+plane RPCs stay on grpcio.
 
-What it implements of HTTP/2 (RFC 9113) and gRPC's HTTP/2 mapping: the preface and SETTINGS
-exchange, HEADERS/CONTINUATION with HPACK (the ``hpack`` package decodes; requests are encoded
-here as literals), DATA with padding, per-stream and connection flow control in both
-directions, RST_STREAM, PING (answered, and sent as keepalive), GOAWAY, peer concurrency
-limits, length-prefixed messages, trailers and Trailers-Only responses. Compression is never
-offered, so a compressed message is an error.
+What it adds to the core: gRPC's HTTP/2 mapping (request header blocks as literals, length-
+prefixed messages, status trailers and Trailers-Only responses, never compression), PING as
+keepalive, the peer's concurrency limit as a queue, REFUSED_STREAM and GOAWAY as a resend of
+requests the engine never processed, and a new connection once stream ids run out. Every
+failure reaches the reader as a :mod:`sidecar.errors` type, translated in one place
+(:mod:`sidecar.status`).
 
 Receive flow control bounds memory: a stream's window is only re-opened for bytes that are no
 longer waiting in its queue of unread messages, so a slow reader stops the engine rather than
@@ -24,189 +25,57 @@ import asyncio
 import struct
 from collections import deque
 from collections.abc import Callable, Generator
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 from urllib.parse import unquote
 
-import grpc
-import hpack
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
-WINDOW_UPDATE, CONTINUATION = 8, 9
-END_STREAM = ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-
-SETTINGS_HEADER_TABLE_SIZE = 0x1
-SETTINGS_ENABLE_PUSH = 0x2
-SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
-SETTINGS_INITIAL_WINDOW_SIZE = 0x4
-SETTINGS_MAX_FRAME_SIZE = 0x5
-
-CANCEL = 0x8
-REFUSED_STREAM = 0x7
-ENHANCE_YOUR_CALM = 0xB
-INADEQUATE_SECURITY = 0xC
+from sidecar.errors import SidecarError
+from sidecar.h2.connection import MAX_HEADER_BLOCK, H2Connection, H2Stream
+from sidecar.h2.errors import H2ConnectionError, H2StreamError
+from sidecar.h2.frames import (
+    MAX_STREAM_ID,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    ErrorCode,
+)
+from sidecar.h2.headers import hpack_int, hpack_str
+from sidecar.status import (
+    Status,
+    error_from_h2,
+    error_from_http_status,
+    error_from_reset,
+    error_from_status,
+)
 
 # What each stream may have buffered and unread, and the share of it re-opened at a time.
 STREAM_WINDOW = 4 << 20
 STREAM_CREDIT_STEP = STREAM_WINDOW // 4
+# A stream's window is re-opened once what it still allows plus what waits unread is this low.
+_GRANT_AT = STREAM_WINDOW - STREAM_CREDIT_STEP
 CONNECTION_WINDOW = 64 << 20
 CONNECTION_CREDIT_STEP = CONNECTION_WINDOW // 4
-DEFAULT_WINDOW = 65_535
-DEFAULT_MAX_FRAME = 16_384
-MAX_WINDOW = (1 << 31) - 1
 KEEPALIVE_S = 30.0
 # How often one request is sent again after the engine refused it unprocessed.
-MAX_TRIES = 5
+MAX_TRIES = 8
+# A refused stream is sent again after this, doubling per refusal up to REFUSED_BACKOFF_MAX_S
+# (or sooner, when one of ours ends): grpc-core frees a stream's slot only some time after
+# its last frame left, so a resend at once meets the same full table.
+REFUSED_BACKOFF_S = 0.004
+REFUSED_BACKOFF_MAX_S = 0.1
 KEEPALIVE_TIMEOUT_S = 10.0
 # Messages merged into one read at most: a reader far behind still gets its output in steps.
 MAX_MERGED = 32
 
-_FRAME = struct.Struct(">HBBBL")
-_SETTING = struct.Struct(">HL")
-_U32 = struct.Struct(">L")
+_SETTINGS = (
+    (SETTINGS_ENABLE_PUSH, 0),
+    (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
+    (SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
+)
 _MESSAGE_HEAD = struct.Struct(">BL")
+_REFUSED_STREAM = ErrorCode.REFUSED_STREAM
+_CANCEL = ErrorCode.CANCEL
 
-_STATUS_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
-# gRPC's mapping of an HTTP status that is not 200 (doc/http-grpc-status-mapping.md).
-_HTTP_STATUS: dict[str, grpc.StatusCode] = {
-    "400": grpc.StatusCode.INTERNAL,
-    "401": grpc.StatusCode.UNAUTHENTICATED,
-    "403": grpc.StatusCode.PERMISSION_DENIED,
-    "404": grpc.StatusCode.UNIMPLEMENTED,
-    "429": grpc.StatusCode.UNAVAILABLE,
-    "502": grpc.StatusCode.UNAVAILABLE,
-    "503": grpc.StatusCode.UNAVAILABLE,
-    "504": grpc.StatusCode.UNAVAILABLE,
-}
-_RESET_CODES: dict[int, grpc.StatusCode] = {
-    REFUSED_STREAM: grpc.StatusCode.UNAVAILABLE,
-    CANCEL: grpc.StatusCode.CANCELLED,
-    ENHANCE_YOUR_CALM: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    INADEQUATE_SECURITY: grpc.StatusCode.PERMISSION_DENIED,
-}
-
-EOF = grpc.aio.EOF
-
-
-class HeaderDecoder:
-    """``hpack``'s decoder, with a memo for blocks that leave the dynamic table unchanged.
-
-    While the table is unchanged the same bytes mean the same headers, and a server answers
-    every call with the same few blocks (``:status``/``content-type`` and ``grpc-status: 0``
-    once indexed, ``grpc-message`` as a literal that is not indexed); those then cost a dict
-    lookup instead of a pure-Python decode. A block that adds to the table or resizes it
-    clears the memo, since it changes what the indices mean.
-    """
-
-    __slots__ = ("_decoder", "_memo")
-
-    MEMO_SIZE = 64
-
-    def __init__(self) -> None:
-        self._decoder = hpack.Decoder()
-        self._memo: dict[bytes, list[tuple[str, str]]] = {}
-
-    def decode(self, block: bytes) -> list[tuple[str, str]]:
-        """The block's headers; the list is shared, callers must not change it."""
-        known = self._memo.get(block)
-        if known is not None:
-            return known
-        headers = [(str(name), str(value)) for name, value in self._decoder.decode(block)]
-        if _keeps_table(block):
-            if len(self._memo) >= self.MEMO_SIZE:
-                self._memo.clear()
-            self._memo[block] = headers
-        else:
-            self._memo.clear()
-        return headers
-
-
-def _keeps_table(block: bytes) -> bool:
-    """Whether no field of the block adds to the dynamic table or resizes it: only indexed
-    fields and literals without indexing or never indexed (RFC 7541 section 6)."""
-    at, size = 0, len(block)
-    try:
-        while at < size:
-            first = block[at]
-            if first & 0x80:
-                at = _skip_int(block, at, 7)
-            elif first & 0x60:
-                return False
-            else:
-                at = _skip_int(block, at, 4)
-                if not first & 0x0F:
-                    at = _skip_string(block, at)
-                at = _skip_string(block, at)
-    except IndexError:
-        return False
-    return at == size
-
-
-def _skip_int(block: bytes, at: int, prefix_bits: int) -> int:
-    limit = (1 << prefix_bits) - 1
-    if block[at] & limit != limit:
-        return at + 1
-    at += 1
-    while block[at] & 0x80:
-        at += 1
-    return at + 1
-
-
-def _skip_string(block: bytes, at: int) -> int:
-    limit = 0x7F
-    length = block[at] & limit
-    at += 1
-    if length == limit:
-        shift = 0
-        while True:
-            byte = block[at]
-            at += 1
-            length += (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-    return at + length
-
-
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    size = len(payload)
-    return _FRAME.pack(size >> 8, size & 0xFF, kind, flags, stream_id) + payload
-
-
-def rpc_error(code: grpc.StatusCode, details: str, trailers: Any = None) -> grpc.aio.AioRpcError:
-    metadata = grpc.aio.Metadata(*(trailers or ()))
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), metadata, details)
-
-
-def _unavailable(details: str) -> grpc.aio.AioRpcError:
-    return rpc_error(grpc.StatusCode.UNAVAILABLE, details)
-
-
-# ---------------------------------------------------------------- HPACK literals
-
-
-def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """An HPACK integer (RFC 7541 5.1) in a ``prefix_bits`` prefix, high bits from ``first``."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def hpack_str(text: str | bytes) -> bytes:
-    """An HPACK string literal, never Huffman-coded (RFC 7541 5.2)."""
-    raw = text.encode() if isinstance(text, str) else text
-    return hpack_int(len(raw), 7) + raw
+T = TypeVar("T")
 
 
 def request_headers(
@@ -235,58 +104,56 @@ def grpc_message(payload: bytes) -> bytes:
 # ---------------------------------------------------------------- calls
 
 
-class Call:
+class Call(H2Stream, Generic[T]):
     """One RPC on a connection: its request is sent at once, its replies queue up here.
 
-    ``read()`` returns the next message (parsed by ``parse``), ``EOF`` after an OK status, or
-    raises ``grpc.aio.AioRpcError``; once ``cancel()`` ran it raises ``CancelledError``, as
-    grpc.aio's calls do.
+    ``read()`` returns the next message (parsed by ``parse``), None after an OK status, or
+    raises a :class:`~sidecar.errors.SidecarError`; iterating yields the messages. Once
+    ``cancel()`` ran it raises ``CancelledError``.
     """
 
     __slots__ = (
         "_cancelled",
         "_conn",
-        "_credit",
         "_ended",
         "_error",
         "_got_headers",
         "_held",
+        "_loop",
         "_merge",
         "_messages",
         "_need",
-        "_out",
         "_parse",
         "_partial",
         "_partial_size",
         "_pending",
         "_request",
+        "_retry_after",
         "_tries",
         "_waiter",
-        "send_window",
-        "stream_id",
     )
 
     def __init__(
         self,
-        parse: Callable[[bytes], Any],
-        merge: Callable[[Any, list[Any]], bool] | None = None,
+        parse: Callable[[bytes], T],
+        merge: Callable[[T, list[T]], bool] | None = None,
+        retry_after: float = 1.0,
     ) -> None:
+        super().__init__()
         self._parse = parse
         # Appends later messages to an earlier one when that loses nothing (True), so a
         # reader that fell behind takes every message already waiting in one go.
         self._merge = merge
-        self._pending: deque[Any] = deque()
+        self._retry_after = retry_after
+        self._pending: deque[T] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: Connection | None = None
-        self.stream_id = 0
-        self.send_window = DEFAULT_WINDOW
-        self._out = b""
         self._messages: deque[bytes] = deque()
         self._partial: list[bytes] = []
         self._partial_size = 0
         self._need = 5
         self._held = 0
-        self._credit = 0
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[T] | None = None
         self._got_headers = False
         # Set once the call is over: None while running, True after an OK status.
         self._ended: bool | None = None
@@ -298,14 +165,14 @@ class Call:
 
     # -- consumer side
 
-    async def read(self) -> Any:
-        """The next message, or ``EOF`` once the call ended cleanly (grpc.aio's ``read``)."""
+    async def read(self) -> T | None:
+        """The next message, or None once the call ended cleanly."""
         try:
             return await self.__anext__()
         except StopAsyncIteration:
-            return EOF
+            return None
 
-    def _next(self) -> Any:
+    def _next(self) -> T | None:
         """The next message, with the messages already waiting behind it merged in when
         ``merge`` accepts them all; None when nothing is waiting."""
         pending = self._pending
@@ -315,39 +182,73 @@ class Call:
         messages = self._messages
         if not messages:
             return None
-        message = self._take(messages)
+        data = messages.popleft()
+        self._held -= len(data) + 5
+        message = self._parse(data)
         merge = self._merge
         if merge is not None and messages:
             take = self._take
             batch = [take(messages) for _ in range(min(len(messages), MAX_MERGED))]
             if not merge(message, batch):
                 pending.extend(batch)
-        if self._credit - self._held >= STREAM_CREDIT_STEP:
+        if self.recv_window + self._held <= _GRANT_AT:
             self._maybe_credit()
         return message
 
-    def _take(self, messages: deque[bytes]) -> Any:
+    def _take(self, messages: deque[bytes]) -> T:
         data = messages.popleft()
         self._held -= len(data) + 5
         return self._parse(data)
 
-    def __aiter__(self) -> Call:
+    def __aiter__(self) -> Call[T]:
         return self
 
-    async def __anext__(self) -> Any:
-        while True:
+    def __anext__(self) -> asyncio.Future[T]:
+        """A future of the next message: done already when one is waiting, else resolved by
+        the connection with the message itself as it arrives. A plain future rather than a
+        coroutine per message: the reader's task resumes one frame less, and a read that
+        needs a task of its own (``ensure_future``) gets this future as it is."""
+        loop = self._loop
+        if loop is None:
+            # Once per call: get_running_loop() makes a getpid() system call each time.
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        if not self._resolve(future):
+            self._waiter = future
+        return future
+
+    def _resolve(self, future: asyncio.Future[T]) -> bool:
+        """Give ``future`` the next message, or the end of the call; False when neither is
+        there yet."""
+        try:
             message = self._next()
-            if message is not None:
-                return message
-            if self._ended is not None:
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+        except Exception as bad:
+            future.set_exception(bad)
+            return True
+        if message is not None:
+            future.set_result(message)
+            return True
+        if self._ended is None:
+            return False
+        error = self._error
+        if error is None:
+            future.set_exception(StopAsyncIteration())
+        elif isinstance(error, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(error)
+        return True
+
+    async def reply(self) -> T:
+        """The one message of a call with a unary response; fewer or more is an error."""
+        reply = await self.read()
+        if reply is None:
+            raise error_from_status(Status.INTERNAL, "the engine sent no reply", self._retry_after)
+        if await self.read() is not None:
+            raise error_from_status(
+                Status.INTERNAL, "the engine sent more than one reply", self._retry_after
+            )
+        return reply
 
     def cancel(self) -> bool:
         """Drop the call: RST_STREAM(CANCEL) to the engine, CancelledError to the reader."""
@@ -372,8 +273,12 @@ class Call:
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            if waiter.done():
+                # Its reader was cancelled; the message stays queued for the next read.
+                self._waiter = None
+            elif self._resolve(waiter):
+                self._waiter = None
 
     def _finish(self, error: BaseException | None) -> None:
         if self._ended is not None:
@@ -382,11 +287,26 @@ class Call:
         self._error = error
         self._wake()
 
-    def on_data(self, data: bytes, flow: int) -> None:
-        """``data`` without padding; ``flow`` the frame's size as flow control counts it."""
-        self._credit += flow
+    def on_data(self, data: bytes, flow: int, end_stream: bool) -> None:
         if self._ended is not None:
             return
+        if end_stream:
+            self.fail(Status.INTERNAL, "the engine ended the stream without trailers")
+            return
+        conn = self._conn
+        if not self._partial and conn is not None:
+            # The common frame: exactly one whole message (vLLM sends one per token).
+            size = len(data)
+            if size >= 5:
+                compressed, length = _MESSAGE_HEAD.unpack_from(data)
+                if size == length + 5 and not compressed and length <= conn.max_message:
+                    self._messages.append(data[5:])
+                    self._held += size
+                    if self.recv_window + self._held <= _GRANT_AT:
+                        self._maybe_credit()
+                    if self._waiter is not None:
+                        conn.ready.append(self)
+                    return
         if self._partial:
             # Chunks of a message that is not complete yet are joined once, when it is.
             self._partial.append(data)
@@ -403,12 +323,11 @@ class Call:
         while size - at >= 5:
             compressed, length = _MESSAGE_HEAD.unpack_from(data, at)
             if compressed:
-                self.fail(grpc.StatusCode.INTERNAL, "the engine sent a compressed message")
+                self.fail(Status.INTERNAL, "the engine sent a compressed message")
                 return
             if length > limit:
                 self.fail(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"engine message of {length} bytes exceeds {limit}",
+                    Status.RESOURCE_EXHAUSTED, f"engine message of {length} bytes exceeds {limit}"
                 )
                 return
             end = at + 5 + length
@@ -423,16 +342,20 @@ class Call:
         if at < size:
             self._partial = [data[at:]]
             self._partial_size = size - at
-        if self._credit - self._held >= STREAM_CREDIT_STEP:
+        if self.recv_window + self._held <= _GRANT_AT:
             self._maybe_credit()
-        if queued:
-            self._wake()
+        if queued and self._waiter is not None and self._conn is not None:
+            # Woken once the whole read is handled, so a reader that waits gets every
+            # message of it at once.
+            self._conn.ready.append(self)
 
     def _maybe_credit(self) -> None:
-        grant = self._credit - self._held
-        if grant >= STREAM_CREDIT_STEP and self._ended is None and self._conn is not None:
-            self._credit -= grant
-            self._conn.write(frame(WINDOW_UPDATE, 0, self.stream_id, _U32.pack(grant)))
+        """Re-open the stream window for what was received and is no longer held unread."""
+        grant = STREAM_WINDOW - self.recv_window - self._held
+        conn = self._conn
+        if grant >= STREAM_CREDIT_STEP and self._ended is None and conn is not None:
+            conn.grant(self, grant)
+            conn.flush()
 
     def on_headers(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
         if self._ended is not None:
@@ -442,13 +365,12 @@ class Call:
             self._request = None
             status = next((v for k, v in headers if k == ":status"), "")
             if status != "200":
-                code = _HTTP_STATUS.get(status, grpc.StatusCode.UNKNOWN)
-                self.fail(code, f"the engine answered HTTP status {status or 'none'}")
+                self._end_with(error_from_http_status(status, self._retry_after))
                 return
             if not end_stream:
                 return
         elif not end_stream:
-            self.fail(grpc.StatusCode.INTERNAL, "the engine sent headers after its trailers")
+            self.fail(Status.INTERNAL, "the engine sent headers after its trailers")
             return
         self._on_trailers(headers)
 
@@ -461,93 +383,89 @@ class Call:
             elif name == "grpc-message":
                 details = unquote(value)
         if status is None:
-            self.fail(grpc.StatusCode.INTERNAL, "the engine ended the call without a status")
+            self.fail(Status.INTERNAL, "the engine ended the call without a status")
             return
-        code = _STATUS_CODES.get(int(status) if status.isdigit() else -1, grpc.StatusCode.UNKNOWN)
-        if code is not grpc.StatusCode.OK:
-            pairs = [(k, v) for k, v in trailers if not k.startswith(":") and k != "grpc-status"]
-            self._finish(rpc_error(code, details, pairs))
+        code = int(status) if status.isascii() and status.isdigit() else Status.UNKNOWN
+        if code != Status.OK:
+            self._finish(error_from_status(code, details, self._retry_after))
         elif self._partial:
-            self.fail(grpc.StatusCode.INTERNAL, "the engine ended the call inside a message")
+            self.fail(Status.INTERNAL, "the engine ended the call inside a message")
+            return
         else:
             self._finish(None)
-        self._release()
-
-    def on_end_without_trailers(self) -> None:
-        self.fail(grpc.StatusCode.INTERNAL, "the engine ended the stream without trailers")
-
-    def on_reset(self, error_code: int) -> None:
-        code = _RESET_CODES.get(error_code, grpc.StatusCode.INTERNAL)
-        self._finish(rpc_error(code, f"the engine reset the stream (HTTP/2 error {error_code})"))
-        self._release()
-
-    def fail(self, code: grpc.StatusCode, details: str) -> None:
-        """End the call with an error of our own and tell the engine to stop sending."""
-        if self._ended is not None:
-            return
-        self._finish(rpc_error(code, details))
-        conn = self._conn
-        if conn is not None:
-            conn.reset(self)
-
-    def on_connection_error(self, error: grpc.aio.AioRpcError) -> None:
-        self._finish(error)
-        self._conn = None
-
-    def _release(self) -> None:
         conn = self._conn
         if conn is not None:
             conn.forget(self)
 
+    def on_reset(self, code: int) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        if code == _REFUSED_STREAM and conn.retry(self):
+            return
+        self._finish(error_from_reset(code, self._retry_after))
+        conn.released(self)
 
-class UnaryCall(Call):
+    def on_stream_error(self, error: H2StreamError) -> None:
+        self._finish(error_from_h2(error, self._retry_after))
+        conn = self._conn
+        if conn is not None:
+            conn.released(self)
+
+    def fail(self, code: Status, details: str) -> None:
+        """End the call with an error of our own and tell the engine to stop sending."""
+        self._end_with(error_from_status(code, details, self._retry_after))
+
+    def _end_with(self, error: SidecarError) -> None:
+        if self._ended is not None:
+            return
+        self._finish(error)
+        conn = self._conn
+        if conn is not None:
+            conn.reset(self)
+
+    def on_connection_error(self, error: SidecarError) -> None:
+        self._finish(error)
+        self._conn = None
+
+
+class UnaryCall(Call[T]):
     """A call with exactly one reply; awaiting it gives that reply."""
 
     __slots__ = ()
 
-    def __await__(self) -> Generator[Any, None, Any]:
-        return self._reply().__await__()
-
-    async def _reply(self) -> Any:
-        reply = await self.read()
-        if reply is EOF:
-            raise rpc_error(grpc.StatusCode.INTERNAL, "the engine sent no reply")
-        if await self.read() is not EOF:
-            raise rpc_error(grpc.StatusCode.INTERNAL, "the engine sent more than one reply")
-        return reply
+    def __await__(self) -> Generator[Any, None, T]:
+        return self.reply().__await__()
 
 
 # ---------------------------------------------------------------- the connection
 
 
-class Connection(asyncio.Protocol):
+class Connection(H2Connection[Call[Any]], asyncio.Protocol):
     """The client end of one HTTP/2 connection; calls are started with :meth:`start`."""
 
     def __init__(
         self,
         max_message: int,
         on_closed: Callable[[Connection], None],
-        resend: Callable[[Call, bytes, bytes], None],
+        resend: Callable[[Call[Any], bytes, bytes], None],
+        retry_after: float = 1.0,
     ) -> None:
+        super().__init__(
+            client=True,
+            settings=_SETTINGS,
+            connection_window=CONNECTION_WINDOW,
+            connection_credit_step=CONNECTION_CREDIT_STEP,
+        )
         self.max_message = max_message
+        self.retry_after = retry_after
         self._on_closed = on_closed
         self._resend = resend
         self._transport: asyncio.Transport | None = None
-        self._calls: dict[int, Call] = {}
-        self._next_id = 1
-        self._decoder = HeaderDecoder()
-        self._buffer = b""
-        self._peer_max_frame = DEFAULT_MAX_FRAME
-        self._peer_window = DEFAULT_WINDOW
-        self._peer_max_streams = MAX_WINDOW
-        self._send_window = DEFAULT_WINDOW
-        self._credit = 0
-        self._blocked: deque[Call] = deque()
-        self._queued: deque[tuple[Call, bytes, bytes]] = deque()
-        self._header_block: bytearray | None = None
-        self._header_stream = 0
-        self._header_end = False
-        self._error: grpc.aio.AioRpcError | None = None
+        self._queued: deque[tuple[Call[Any], bytes, bytes]] = deque()
+        # Calls whose waiting reader got messages in the read being handled.
+        self.ready: list[Call[Any]] = []
+        self._error: SidecarError | None = None
         self._draining = False
         self._last_recv = 0.0
         self._ping_sent: float | None = None
@@ -555,174 +473,83 @@ class Connection(asyncio.Protocol):
 
     @property
     def usable(self) -> bool:
-        """Open, and not told to go away: new calls may start here."""
+        """Open, not told to go away, and with stream ids left: new calls may start here."""
+        # A connection whose stream ids ran out is draining too.
         return self._transport is not None and self._error is None and not self._draining
 
     @property
     def active(self) -> int:
-        return len(self._calls) + len(self._queued)
+        return len(self.streams) + len(self._queued)
 
     @property
     def transport(self) -> asyncio.Transport | None:
         return self._transport
 
+    def _failure(self, status: Status, details: str) -> SidecarError:
+        return error_from_status(status, details, self.retry_after)
+
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)
-        self._transport = transport
-        settings = b"".join(
-            _SETTING.pack(key, value)
-            for key, value in (
-                (SETTINGS_ENABLE_PUSH, 0),
-                (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
-            )
-        )
-        transport.write(
-            PREFACE
-            + frame(SETTINGS, 0, 0, settings)
-            + frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - DEFAULT_WINDOW))
-        )
+        self._transport = cast(asyncio.Transport, transport)
+        self.initiate()
+        self.flush()
         loop = asyncio.get_running_loop()
         self._last_recv = loop.time()
         self._keepalive = loop.call_later(KEEPALIVE_TIMEOUT_S, self._tick)
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
-        self._close(_unavailable(f"the connection to the engine was lost{reason}"))
+        self._close(
+            self._failure(Status.UNAVAILABLE, f"the connection to the engine was lost{reason}")
+        )
 
     def data_received(self, data: bytes) -> None:
         self._last_recv = -1.0
-        if self._buffer:
-            data = self._buffer + data
-            self._buffer = b""
-        size = len(data)
-        at = 0
-        calls = self._calls
-        while size - at >= 9:
-            hi, lo, kind, flags, stream_id = _FRAME.unpack_from(data, at)
-            length = (hi << 8) | lo
-            end = at + 9 + length
-            if end > size:
-                break
-            stream_id &= MAX_WINDOW
-            if kind == DATA:
-                self._credit += length
-                call = calls.get(stream_id)
-                if call is not None:
-                    if flags & PADDED:
-                        call.on_data(data[at + 10 : end - data[at + 9]], length)
-                    else:
-                        call.on_data(data[at + 9 : end], length)
-                    if flags & END_STREAM:
-                        call.on_end_without_trailers()
-                if self._credit >= CONNECTION_CREDIT_STEP:
-                    self.write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._credit)))
-                    self._credit = 0
-            elif kind in (HEADERS, CONTINUATION):
-                self._on_header_frame(kind, flags, stream_id, data[at + 9 : end])
-            else:
-                self._on_control(kind, flags, stream_id, data[at + 9 : end])
-            if self._transport is None:
-                return
-            at = end
-        if at < size:
-            self._buffer = data[at:]
-
-    # -- frames other than DATA
-
-    def _on_header_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == HEADERS:
-            if self._header_block is not None:
-                self._protocol_error("HEADERS inside another header block")
-                return
-            start = 0
-            end = len(payload)
-            if flags & PADDED:
-                start = 1
-                end -= payload[0]
-            if flags & PRIORITY_FLAG:
-                start += 5
-            self._header_block = bytearray(payload[start:end])
-            self._header_stream = stream_id
-            self._header_end = bool(flags & END_STREAM)
-        elif self._header_block is None or stream_id != self._header_stream:
-            self._protocol_error("CONTINUATION without its HEADERS")
-            return
-        else:
-            self._header_block += payload
-        if not flags & END_HEADERS:
-            return
-        block, self._header_block = bytes(self._header_block), None
         try:
-            headers = self._decoder.decode(block)
-        except hpack.HPACKError as error:
-            self._protocol_error(f"undecodable headers: {error}")
+            self.receive(data)
+        except H2ConnectionError as error:
+            self.flush()
+            self._close(error_from_h2(error, self.retry_after))
             return
-        call = self._calls.get(self._header_stream)
-        if call is not None:
-            call.on_headers(headers, self._header_end)
+        finally:
+            ready = self.ready
+            if ready:
+                self.ready = []
+                for call in ready:
+                    call._wake()
+        if self.out:
+            self.flush()
 
-    def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == SETTINGS:
-            if not flags & ACK:
-                self._apply_settings(payload)
-                self.write(frame(SETTINGS, ACK, 0))
-        elif kind == WINDOW_UPDATE:
-            increment = _U32.unpack(payload)[0] & MAX_WINDOW
-            if stream_id == 0:
-                self._send_window += increment
-                self._unblock()
-            else:
-                call = self._calls.get(stream_id)
-                if call is not None:
-                    call.send_window += increment
-                    self._unblock()
-        elif kind == RST_STREAM:
-            call = self._calls.get(stream_id)
-            if call is not None:
-                code = _U32.unpack(payload)[0]
-                if code != REFUSED_STREAM or not self._retry(call):
-                    call.on_reset(code)
-        elif kind == PING:
-            if flags & ACK:
-                self._ping_sent = None
-            else:
-                self.write(frame(PING, ACK, 0, payload))
-        elif kind == GOAWAY:
-            self._on_goaway(payload)
-        elif kind == PUSH_PROMISE:
-            self._protocol_error("PUSH_PROMISE although push is disabled")
+    def flush(self) -> None:
+        """Hand what the core queued to the socket."""
+        out = self.out
+        if out:
+            transport = self._transport
+            if transport is not None:
+                transport.write(b"".join(out))
+            out.clear()
 
-    def _apply_settings(self, payload: bytes) -> None:
-        for at in range(0, len(payload) - len(payload) % 6, 6):
-            key, value = _SETTING.unpack_from(payload, at)
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                change = value - self._peer_window
-                self._peer_window = value
-                for call in self._calls.values():
-                    call.send_window += change
-            elif key == SETTINGS_MAX_FRAME_SIZE:
-                self._peer_max_frame = value
-            elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
-                self._peer_max_streams = value
-        self._unblock()
+    # -- hooks of the core
+
+    def on_settings(self) -> None:
         self._start_queued()
 
-    def _on_goaway(self, payload: bytes) -> None:
+    def on_ping_ack(self, payload: bytes) -> None:
+        self._ping_sent = None
+
+    def on_goaway(self, last_stream_id: int, code: int, debug: bytes) -> None:
         """Streams above the peer's last one were never processed: they go to a new
         connection; the rest finish here, and the connection closes after them."""
-        last = _U32.unpack_from(payload)[0] & MAX_WINDOW
         self._draining = True
         self._on_closed(self)
-        untaken: list[tuple[Call, bytes, bytes]] = []
-        for stream_id, call in list(self._calls.items()):
-            if stream_id > last:
-                del self._calls[stream_id]
+        untaken: list[tuple[Call[Any], bytes, bytes]] = []
+        for stream_id, call in list(self.streams.items()):
+            if stream_id > last_stream_id:
+                self.close_stream(call)
                 untaken.append((call, *(call._request or (b"", b""))))
         untaken.extend(self._queued)
         self._queued.clear()
-        refused = _unavailable("the engine went away before taking this request")
         for call, headers, body in untaken:
             call._conn = None
             if call.done():
@@ -731,115 +558,118 @@ class Connection(asyncio.Protocol):
                 call._tries += 1
                 self._resend(call, headers, body)
             else:
-                call.on_connection_error(refused)
-        if not self._calls and self._transport is not None:
+                call.on_connection_error(
+                    self._failure(
+                        Status.UNAVAILABLE, "the engine went away before taking this request"
+                    )
+                )
+        if not self.streams and self._transport is not None:
             self._transport.close()
 
-    def _retry(self, call: Call) -> bool:
+    def retry(self, call: Call[Any]) -> bool:
         """Queue a stream the peer refused (REFUSED_STREAM: not processed) to be sent again."""
         request = call._request
         if request is None or call._tries >= MAX_TRIES:
             return False
-        del self._calls[call.stream_id]
         call._tries += 1
-        self._queued.append((call, *request))
-        asyncio.get_running_loop().call_soon(self._start_queued)
+        self._queued.appendleft((call, *request))
+        delay = min(REFUSED_BACKOFF_S * (1 << (call._tries - 1)), REFUSED_BACKOFF_MAX_S)
+        asyncio.get_running_loop().call_later(delay, self._start_queued)
         return True
-
-    def _protocol_error(self, what: str) -> None:
-        if self._transport is not None:
-            self._transport.write(frame(GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(0x1)))
-            self._transport.abort()
-        self._close(rpc_error(grpc.StatusCode.INTERNAL, f"HTTP/2 protocol error: {what}"))
 
     # -- calls
 
-    def start(self, call: Call, headers: bytes, body: bytes) -> None:
+    def start(self, call: Call[Any], headers: bytes, body: bytes) -> None:
         """Send the call's request now (or once the peer's stream limit allows)."""
         if not self.usable:
-            call.on_connection_error(self._error or _unavailable("the connection is closing"))
+            call.on_connection_error(
+                self._error or self._failure(Status.UNAVAILABLE, "the connection is closing")
+            )
             return
         call._conn = self
-        if len(self._calls) >= self._peer_max_streams:
+        if len(self.streams) >= self.peer_max_streams:
             self._queued.append((call, headers, body))
             return
         self._open(call, headers, body)
 
-    def _open(self, call: Call, headers: bytes, body: bytes) -> None:
-        stream_id = self._next_id
-        self._next_id += 2
-        call.stream_id = stream_id
-        call.send_window = self._peer_window
-        call._request = (headers, body)
-        self._calls[stream_id] = call
-        head = frame(HEADERS, END_HEADERS, stream_id, headers)
-        size = len(body)
-        if size <= self._peer_max_frame and size <= self._send_window and size <= call.send_window:
-            self._send_window -= size
-            call.send_window -= size
-            self.write(head + frame(DATA, END_STREAM, stream_id, body))
+    def _open(self, call: Call[Any], headers: bytes, body: bytes) -> None:
+        if self.next_stream_id > MAX_STREAM_ID:
+            # Every stream id of this connection is used: it drains, the call moves on.
+            self._retire()
+            call._conn = None
+            self._resend(call, headers, body)
             return
-        self.write(head)
-        call._out = body
-        self._blocked.append(call)
-        self._unblock()
+        stream_id = self.open_stream(call)
+        call._request = (headers, body)
+        self.send_headers(stream_id, headers, False)
+        self.send_data(call, body, True)
+        self.flush()
+        if self.next_stream_id > MAX_STREAM_ID:
+            self._retire()
+
+    def _retire(self) -> None:
+        if not self._draining:
+            self._draining = True
+            self.send_goaway(ErrorCode.NO_ERROR)
+            self.flush()
+            self._on_closed(self)
+        queued = list(self._queued)
+        self._queued.clear()
+        for call, headers, body in queued:
+            call._conn = None
+            if not call.done():
+                self._resend(call, headers, body)
+        self._close_if_idle()
 
     def _start_queued(self) -> None:
-        while self._queued and len(self._calls) < self._peer_max_streams and self.usable:
+        while self._queued and len(self.streams) < self.peer_max_streams and self.usable:
             call, headers, body = self._queued.popleft()
             if not call.done():
                 self._open(call, headers, body)
 
-    def _unblock(self) -> None:
-        blocked = self._blocked
-        for _ in range(len(blocked)):
-            call = blocked.popleft()
-            if call.done() or self._calls.get(call.stream_id) is not call:
-                continue
-            out = call._out
-            while out and self._send_window > 0 and call.send_window > 0:
-                size = min(len(out), self._peer_max_frame, self._send_window, call.send_window)
-                chunk, out = out[:size], out[size:]
-                self._send_window -= size
-                call.send_window -= size
-                self.write(frame(DATA, 0 if out else END_STREAM, call.stream_id, chunk))
-            call._out = out
-            if out:
-                blocked.append(call)
-
-    def reset(self, call: Call) -> None:
-        if self._calls.pop(call.stream_id, None) is call:
-            self.write(frame(RST_STREAM, 0, call.stream_id, _U32.pack(CANCEL)))
+    def reset(self, call: Call[Any]) -> None:
+        """The call is over for us while the engine may still send: RST_STREAM(CANCEL)."""
+        if self.streams.get(call.stream_id) is call:
+            self.reset_stream(call, _CANCEL)
+            self.flush()
             self._after_release()
         call._conn = None
 
-    def forget(self, call: Call) -> None:
-        if self._calls.pop(call.stream_id, None) is call:
+    def forget(self, call: Call[Any]) -> None:
+        """The call ended on both sides."""
+        if self.streams.get(call.stream_id) is call:
+            self.close_stream(call)
             self._after_release()
         call._conn = None
+
+    def released(self, call: Call[Any]) -> None:
+        """The core already dropped the call's stream (reset by the peer, or a stream error)."""
+        call._conn = None
+        self._after_release()
 
     def _after_release(self) -> None:
         if self._queued:
             self._start_queued()
-        if self._draining and not self._calls and self._transport is not None:
+        if self._draining:
+            self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if not self.streams and self._transport is not None:
             self._transport.close()
 
-    def write(self, data: bytes) -> None:
-        if self._transport is not None:
-            self._transport.write(data)
-
     def close(self) -> None:
-        self._close(_unavailable("the gateway closed the connection"))
+        self._close(self._failure(Status.UNAVAILABLE, "the gateway closed the connection"))
 
-    def _close(self, error: grpc.aio.AioRpcError) -> None:
+    def _close(self, error: SidecarError) -> None:
         if self._error is None:
             self._error = error
+        self.closed = True
         transport, self._transport = self._transport, None
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        calls = list(self._calls.values())
-        self._calls.clear()
+        calls = list(self.streams.values())
+        self.streams.clear()
         for call in calls:
             call.on_connection_error(self._error)
         while self._queued:
@@ -860,9 +690,12 @@ class Connection(asyncio.Protocol):
             self._ping_sent = None
         if self._ping_sent is not None and now - self._ping_sent >= KEEPALIVE_TIMEOUT_S:
             transport.abort()
-            self._close(_unavailable("the engine stopped answering keepalive pings"))
+            self._close(
+                self._failure(Status.UNAVAILABLE, "the engine stopped answering keepalive pings")
+            )
             return
-        if self._calls and self._ping_sent is None and now - self._last_recv >= KEEPALIVE_S:
+        if self.streams and self._ping_sent is None and now - self._last_recv >= KEEPALIVE_S:
             self._ping_sent = now
-            self.write(frame(PING, 0, 0, bytes(8)))
+            self.send_ping(bytes(8))
+            self.flush()
         self._keepalive = loop.call_later(KEEPALIVE_TIMEOUT_S, self._tick)

@@ -17,21 +17,24 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from sidecar.convert import merge_responses, wants_logprobs
 from sidecar.endpoint import Endpoint
-from sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers, rpc_error
+from sidecar.errors import SidecarError
+from sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers
 from sidecar.proto.vllm import inference_pb2
+from sidecar.status import Status, error_from_status
 
 GENERATE = "/vllm.Inference/Generate"
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"
 CONNECT_TIMEOUT_S = 5.0
 # Distinct metadata seen per method is one per DP rank in practice; the bound guards the rest.
 MAX_HEADER_BLOCKS = 1024
+TRACE_PARENT = "traceparent"
 
 Metadata = tuple[tuple[str, str], ...]
-_PARSE: Callable[[bytes], Any] = inference_pb2.GenerateResponse.FromString
+GenerateRequest = inference_pb2.GenerateRequest
+GenerateResponse = inference_pb2.GenerateResponse
+_PARSE: Callable[[bytes], GenerateResponse] = GenerateResponse.FromString
 
 
 def tls_context(ca_file: str | None) -> ssl.SSLContext:
@@ -41,33 +44,55 @@ def tls_context(ca_file: str | None) -> ssl.SSLContext:
 
 
 class InferenceClient:
+    """The two calls of ``vllm.Inference``; they fail with :mod:`sidecar.errors` types, whose
+    transient ones advertise ``retry_after`` seconds."""
+
     def __init__(
-        self, endpoint: Endpoint, max_message: int, tls: ssl.SSLContext | None = None
+        self,
+        endpoint: Endpoint,
+        max_message: int,
+        tls: ssl.SSLContext | None = None,
+        retry_after: float = 1.0,
     ) -> None:
         self._endpoint = endpoint
+        self._retry_after = retry_after
         self._max_message = max_message
         self._tls = tls
         self._scheme = "https" if tls is not None else "http"
         self._blocks: dict[tuple[str, Metadata | None], bytes] = {}
         self._conn: Connection | None = None
         self._connecting: asyncio.Task[None] | None = None
-        self._waiting: list[tuple[Call, bytes, bytes]] = []
+        self._waiting: list[tuple[Call[Any], bytes, bytes]] = []
         self._closed = False
 
-    def Generate(self, message: Any, metadata: Metadata | None = None) -> UnaryCall:
-        call = UnaryCall(_PARSE)
+    def Generate(
+        self, message: GenerateRequest, metadata: Metadata | None = None
+    ) -> UnaryCall[GenerateResponse]:
+        call = UnaryCall(_PARSE, None, self._retry_after)
         self._start(call, GENERATE, message, metadata)
         return call
 
-    def GenerateStream(self, message: Any, metadata: Metadata | None = None) -> Call:
+    def GenerateStream(
+        self, message: GenerateRequest, metadata: Metadata | None = None
+    ) -> Call[GenerateResponse]:
         """Server streaming; a reader that fell behind gets the messages already waiting
         merged into one where nothing is lost (``convert.merge_responses``), unless the
         request asks for logprobs."""
-        call = Call(_PARSE, None if wants_logprobs(message) else merge_responses)
+        merge = None if wants_logprobs(message) else merge_responses
+        call = Call(_PARSE, merge, self._retry_after)
         self._start(call, GENERATE_STREAM, message, metadata)
         return call
 
-    def _start(self, call: Call, path: str, message: Any, metadata: Metadata | None) -> None:
+    def _failure(self, status: Status, details: str) -> SidecarError:
+        return error_from_status(status, details, self._retry_after)
+
+    def _start(
+        self,
+        call: Call[GenerateResponse],
+        path: str,
+        message: GenerateRequest,
+        metadata: Metadata | None,
+    ) -> None:
         key = (path, metadata)
         headers = self._blocks.get(key)
         if headers is None:
@@ -75,31 +100,34 @@ class InferenceClient:
         body = grpc_message(message.SerializeToString())
         if len(body) - 5 > self._max_message:
             call.on_connection_error(
-                rpc_error(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                self._failure(
+                    Status.RESOURCE_EXHAUSTED,
                     f"request of {len(body) - 5} bytes exceeds {self._max_message}",
                 )
             )
             return
         self._send(call, headers, body)
 
-    def _send(self, call: Call, headers: bytes, body: bytes) -> None:
+    def _send(self, call: Call[Any], headers: bytes, body: bytes) -> None:
         conn = self._conn
         if conn is not None and conn.usable:
             conn.start(call, headers, body)
             return
         if self._closed:
-            call.on_connection_error(rpc_error(grpc.StatusCode.UNAVAILABLE, "client closed"))
+            call.on_connection_error(self._failure(Status.UNAVAILABLE, "client closed"))
             return
         self._waiting.append((call, headers, body))
         if self._connecting is None:
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
     def _header_block(self, key: tuple[str, Metadata | None]) -> bytes:
-        if len(self._blocks) >= MAX_HEADER_BLOCKS:
-            self._blocks.clear()
         path, metadata = key
         block = request_headers(self._scheme, self._endpoint.target, path, metadata or ())
+        if metadata and any(name == TRACE_PARENT for name, _ in metadata):
+            # A trace context is one call's own: its block is not worth keeping.
+            return block
+        if len(self._blocks) >= MAX_HEADER_BLOCKS:
+            self._blocks.clear()
         self._blocks[key] = block
         return block
 
@@ -110,7 +138,9 @@ class InferenceClient:
             try:
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(
-                        lambda: Connection(self._max_message, self._forget, self._send),
+                        lambda: Connection(
+                            self._max_message, self._forget, self._send, self._retry_after
+                        ),
                         endpoint.host,
                         endpoint.port,
                         ssl=self._tls,
@@ -120,8 +150,8 @@ class InferenceClient:
                 )
             except (OSError, TimeoutError) as error:
                 waiting, self._waiting = self._waiting, []
-                failure = rpc_error(
-                    grpc.StatusCode.UNAVAILABLE,
+                failure = self._failure(
+                    Status.UNAVAILABLE,
                     f"cannot connect to the engine at {endpoint.target}: {error or 'timed out'}",
                 )
                 for call, _, _ in waiting:
@@ -149,7 +179,7 @@ class InferenceClient:
             self._connecting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._connecting
-        failure = rpc_error(grpc.StatusCode.UNAVAILABLE, "client closed")
+        failure = self._failure(Status.UNAVAILABLE, "client closed")
         waiting, self._waiting = self._waiting, []
         for call, _, _ in waiting:
             call.on_connection_error(failure)

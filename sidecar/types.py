@@ -7,7 +7,7 @@ and free of gRPC types lets each side change its internals without the other not
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -74,6 +74,43 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     position: int | None = None
 
 
+Metadata = tuple[tuple[str, str], ...]
+
+
+class EngineCallTrace(Protocol):
+    """The span of one engine call (one choice on one rank)."""
+
+    @property
+    def metadata(self) -> Metadata:
+        """What the call sends for the trace to continue in vLLM (``traceparent``, ...)."""
+
+    def end(self, error: str | None = None) -> None:
+        """The call ended (with ``error`` when it failed); later calls do nothing."""
+
+
+class RequestTrace(Protocol):
+    """Tracing of one request's steps inside the sidecar, supplied by the app when tracing
+    is on (``PreparedRequest.trace``); the sidecar never sees the tracing library."""
+
+    def admission(self, waited: bool, start_ns: int, error: str | None = None) -> None:
+        """Admission let the request through (or refused it), ``start_ns`` to now."""
+
+    def routed(
+        self,
+        choice: int,
+        rank: int | None,
+        cached_tokens: int,
+        prompt_tokens: int,
+        policy: str,
+        reason: str,
+        start_ns: int,
+    ) -> None:
+        """The router chose ``rank`` for ``choice``, ``start_ns`` to now."""
+
+    def engine_call(self, choice: int, rank: int | None, method: str) -> EngineCallTrace:
+        """An engine call begins now."""
+
+
 class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A fully validated, tokenized request, independent of the OpenAI endpoint it came from.
 
@@ -98,6 +135,9 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     # False when the caller wants only the finished output (a non-streaming response): the
     # sidecar may then answer each choice with one whole-output delta from a unary call.
     stream: bool = True
+    # None unless tracing is on: spans for admission, routing and each engine call, whose
+    # trace context the engine calls carry as metadata.
+    trace: RequestTrace | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -108,8 +148,11 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     top: tuple[tuple[int, float, int], ...] = ()
 
 
-class Delta(msgspec.Struct, kw_only=True):
+class Delta(msgspec.Struct, kw_only=True, gc=False):
     """One step of one choice's output.
+
+    Not tracked by the garbage collector (``gc=False``): one is made per token, and none
+    can be part of a reference cycle (it holds numbers, strings, tuples and JSON values).
 
     The first delta of each choice carries ``prompt_tokens`` (vLLM's count, which includes the
     expanded image tokens); the last carries ``finish_reason`` and ``completion_tokens``.

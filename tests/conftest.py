@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import pytest
@@ -11,27 +13,139 @@ import pytest
 from tests.support.engines import EngineUnderTest
 from tests.support.ports import free_port, free_port_range
 
+if TYPE_CHECKING:
+    from tests.support.real_vllm import RealVllm, RealVllmPair
+
+T = TypeVar("T")
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
 CONFORMANCE_DP = 2
 CONFORMANCE_BLOCK = 32
 
 
+class RealEngines:
+    """The session's real vLLM servers, one at a time (two cores and 23 GiB cannot hold the
+    tiny Llama, the LLaVA and a prefill/decode pair at once).
+
+    Asking for another kind stops the running one. :func:`pytest_collection_modifyitems`
+    orders the tests by the kind they need, so each kind starts at most once per session.
+    """
+
+    def __init__(self) -> None:
+        self._name: str | None = None
+        self._value: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def get(self, name: str, start: Callable[[], contextlib.AbstractContextManager[T]]) -> T:
+        if self._name != name:
+            self.close()
+            self._value = self._stack.enter_context(start())
+            self._name = name
+        value: T = self._value
+        return value
+
+    def close(self) -> None:
+        self._name = None
+        self._value = None
+        self._stack.close()
+
+
+# The real engines besides the tiny Llama, in the order their tests run (after all others),
+# each with the parametrized fixtures whose "real" case stands for it.
+LATER_REAL_ENGINES = (("real_llava", "image_engine"), ("real_pd", "pd_pair"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests of the LLaVA, then of the prefill/decode pair, run last (stable otherwise)."""
+
+    def group(item: pytest.Item) -> int:
+        names = getattr(item, "fixturenames", ())
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec is not None else {}
+        for index, (name, stand_in) in enumerate(LATER_REAL_ENGINES, start=1):
+            if name in names or params.get(stand_in) == "real":
+                return index
+        return 0
+
+    items.sort(key=group)
+
+
 @pytest.fixture(scope="session")
-def real_vllm() -> Iterator[EngineUnderTest]:
+def real_engines() -> Iterator[RealEngines]:
+    engines = RealEngines()
+    yield engines
+    engines.close()
+
+
+def _engine_cpus() -> str | None:
+    """Every real engine runs on the fair placement's engine CPU (core 0 on two cores)."""
+    from tests.support.placement import placement_for_tests
+
+    return placement_for_tests().engine_cpus
+
+
+@pytest.fixture(scope="session")
+def real_vllm(real_engines: RealEngines) -> EngineUnderTest:
     from tests.support.real_vllm import start_real_vllm
 
-    with start_real_vllm(dp_size=CONFORMANCE_DP, block_size=CONFORMANCE_BLOCK) as server:
-        yield EngineUnderTest(
-            kind="real",
-            target=server.target,
-            dp_size=server.dp_size,
-            block_size=server.block_size,
-            served_model_name=server.served_model_name,
-            tokenizer_dir=server.model_dir,
-            kv_events_base_port=server.kv_events_base_port,
-            kv_replay_base_port=server.kv_replay_base_port,
-        )
+    # On the fair placement so that the latency-sensitive tests can use it too
+    # (tests/support/placement.py); the others do not mind.
+    server = real_engines.get(
+        "llama",
+        lambda: start_real_vllm(
+            dp_size=CONFORMANCE_DP, block_size=CONFORMANCE_BLOCK, cpus=_engine_cpus()
+        ),
+    )
+    return EngineUnderTest(
+        kind="real",
+        target=server.target,
+        dp_size=server.dp_size,
+        block_size=server.block_size,
+        served_model_name=server.served_model_name,
+        tokenizer_dir=server.model_dir,
+        kv_events_base_port=server.kv_events_base_port,
+        kv_replay_base_port=server.kv_replay_base_port,
+    )
+
+
+@pytest.fixture(scope="session")
+def real_llava(real_engines: RealEngines) -> RealVllm:
+    """The tiny LLaVA on real vLLM, DP=2, KV events on, vLLM's dev routes open."""
+    from tests.support.real_vllm import start_real_vllm
+
+    return real_engines.get(
+        "llava",
+        lambda: start_real_vllm(
+            dp_size=CONFORMANCE_DP,
+            block_size=CONFORMANCE_BLOCK,
+            model="llava",
+            dev_endpoints=True,
+            cpus=_engine_cpus(),
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def real_pd(real_engines: RealEngines) -> RealVllmPair:
+    """A real prefill/decode pair (the tiny LLaVA, DP=1 each, NIXL over loopback).
+
+    Each engine gets a core of its own: sharing one, their spinning CPU workers starve each
+    other's NIXL progress until hand-offs take longer than the 30 s KV lease.
+    """
+    import os
+
+    from tests.support.real_vllm import start_real_vllm_pair
+
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = str(cpus[0]), str(cpus[-1])
+
+    return real_engines.get(
+        "pd",
+        lambda: start_real_vllm_pair(
+            block_size=CONFORMANCE_BLOCK, dev_endpoints=True, cpus=first, decode_cpus=last
+        ),
+    )
 
 
 @pytest.fixture(scope="session")

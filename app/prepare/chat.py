@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import orjson
 
 from app.errors import ApiError, invalid, unsupported
+from app.limits import InputLimits, check_engine_json, check_fanout, check_json_text
 from app.prepare.media import MediaHook
 from app.prepare.params import (
+    check_context,
+    refuse_unfitting_text,
     refuse_unsupported,
     sampling_params,
     stopping_params,
@@ -21,8 +24,7 @@ from app.prepare.prompt_cache import PromptCache
 from app.prepare.rank import resolve_rank
 from app.prepare.template import ChatTemplate, ContentFormat, TemplateRenderError
 from app.prepare.tokenizer import TextTokenizer
-from app.respond.parsers import OutputPlan, required_tools_schema
-from app.respond.parsers.reasoning import PARSERS as REASONING_STARTS_INSIDE
+from app.respond.parsers import OutputPlan, Tool, Vocabulary, plan_for
 from app.schemas.requests import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -36,12 +38,21 @@ from app.schemas.requests import (
     ToolMessage,
     UserMessage,
 )
-from multimodal.errors import ImageError
+from multimodal.errors import ImageError, ImagesOverBudget
 from multimodal.types import ImageRef
-from sidecar.types import Delta, MediaInput, OutputOptions, PreparedRequest, StructuredOutput
+from sidecar.types import (
+    Delta,
+    MediaInput,
+    OutputOptions,
+    PreparedRequest,
+    RequestTrace,
+    StructuredOutput,
+)
 
-# Conversations longer than this (characters) are rendered and tokenized off the event loop.
-OFFLOAD_CHARS = 16_384
+# Requests with bodies larger than this (bytes, whichever fields hold them) are converted,
+# rendered and tokenized off the event loop; only smaller ones are keyed for the prompt cache.
+OFFLOAD_BYTES = 16_384
+KEYED_BYTES = 1 << 20
 _RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 _CHAT_REFUSED = (
     ("functions", "is deprecated and not supported; use `tools`"),
@@ -65,14 +76,23 @@ class ChatSettings:
     # The placeholder's token id when the operator names it (``--image-token-id``); else the
     # tokenizer's id for ``image_placeholder``.
     image_token_id: int | None = None
+    # The tokenizer's markers and special tokens, as the output parsers need them.
+    vocabulary: Vocabulary = field(default_factory=Vocabulary)
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedChat:
+class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
+    """A Struct for the reason :class:`app.respond.context.ResponseContext` is one."""
+
     request: PreparedRequest
     plan: OutputPlan
     prompt_len: int
     top_logprobs: int | None
+    # The client's max_tokens / max_completion_tokens, and the context it was checked against.
+    # While an image's expanded size is unknown the check used one token for it; the engine's
+    # expanded count finishes the check (:meth:`ChatPreparer.observe`).
+    requested: int | None = None
+    max_model_len: int = 0
+    counts_known: bool = True
 
 
 def _text_of(content: str | list[Any], sep: str = "\n") -> str:
@@ -84,9 +104,10 @@ def _text_of(content: str | list[Any], sep: str = "\n") -> str:
 class _Converter:
     """Messages as the dicts a chat template reads, collecting image parts on the way."""
 
-    def __init__(self, fmt: ContentFormat, placeholder: str | None) -> None:
+    def __init__(self, fmt: ContentFormat, placeholder: str | None, limits: InputLimits) -> None:
         self.fmt = fmt
         self.placeholder = placeholder
+        self.limits = limits
         self.images: list[ImageRef] = []
 
     def content(self, content: str | list[Any] | None, where: str) -> Any:
@@ -151,13 +172,12 @@ class _Converter:
         if message.tool_calls:
             calls = []
             for j, call in enumerate(message.tool_calls):
+                param = f"{where}.tool_calls[{j}].function.arguments"
+                check_json_text(call.function.arguments, param, self.limits)
                 try:
                     arguments = orjson.loads(call.function.arguments)
                 except orjson.JSONDecodeError:
-                    raise invalid(
-                        f"'{where}.tool_calls[{j}].function.arguments' must be JSON text",
-                        f"{where}.tool_calls[{j}].function.arguments",
-                    ) from None
+                    raise invalid(f"'{param}' must be JSON text", param) from None
                 calls.append(
                     {
                         "id": call.id,
@@ -182,9 +202,11 @@ class ChatPreparer:
         settings: ChatSettings,
         media: MediaHook | None,
         ranks: tuple[int, ...] = (),
+        limits: InputLimits | None = None,
     ) -> None:
         self._tok = tokenizer
         self._ranks = ranks
+        self._limits = limits or InputLimits()
         self._template = template
         self._settings = settings
         self._media = media
@@ -201,22 +223,25 @@ class ChatPreparer:
         lora_name: str | None,
         max_model_len: int,
         rank: int | None,
+        trace: RequestTrace | None = None,
+        body_size: int = 0,
     ) -> PreparedChat:
+        """``body_size`` (bytes of the request body) decides whether the work is done off the
+        event loop: every field counts, not only the message texts."""
         refuse_unsupported(req, _CHAT_REFUSED)
         rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
-        template = self._template
-        if template is None:
-            raise ApiError(
-                400,
-                "this model has no chat template; the operator must set one with "
-                "--chat-template, or use /v1/completions",
-                param="messages",
-                code="no_chat_template",
-            )
+        template = self._require_template()
         if req.modalities is not None and req.modalities != ["text"]:
             raise unsupported("modalities", 'supports only ["text"]')
+        check_fanout(1, req.n, self._limits)
+        if req.kv_transfer_params:
+            check_engine_json(req.kv_transfer_params, "kv_transfer_params")
         plan, forced = self._plan(req)
-        structured = structured_output(req)
+        structured = structured_output(req, self._limits)
+        if forced is not None and structured is not None and not (plan.named or plan.required):
+            # tool_choice auto with strict tools or no parallel calls: the request's own
+            # constraint wins (vLLM would combine both; that needs xgrammar's grammar union).
+            forced = None
         if forced is not None:
             if structured is not None:
                 raise invalid(
@@ -228,8 +253,142 @@ class ChatPreparer:
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
 
-        converter = _Converter(template.content_format, self._settings.image_placeholder)
-        messages = [converter.message(m, i) for i, m in enumerate(req.messages)]
+        ids, images = await self._render(req, template, body_size, max_model_len)
+
+        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        media: tuple[MediaInput, ...] = ()
+        if images:
+            # What the context leaves for the images: the text around them and at least one
+            # token to generate (or the tokens asked for) take the rest.
+            asked = req.max_completion_tokens or req.max_tokens or 1
+            text_len = len(ids) - len(images)
+            try:
+                media, positions = await self._images(ids, images, max_model_len - text_len - asked)
+            except ImagesOverBudget as exc:
+                # The error vLLM gives for that prompt, with the images counted from their
+                # headers (stopping_params raises it: the prompt cannot fit).
+                stopping_params(
+                    req,
+                    prompt_len=text_len + exc.tokens,
+                    requested=req.max_completion_tokens or req.max_tokens,
+                    max_model_len=max_model_len,
+                    vocab_size=self._tok.vocab_size,
+                    prompt_param="messages",
+                    max_param=max_param,
+                )
+                raise ApiError(
+                    400, exc.message, param="messages", code="context_length_exceeded"
+                ) from None
+            if positions is not None:
+                # Where each image sits lets the router expand it and match the blocks it fills.
+                media = tuple(
+                    msgspec.structs.replace(item, position=position)
+                    for item, position in zip(media, positions, strict=True)
+                )
+
+        requested = req.max_completion_tokens or req.max_tokens
+        # vLLM checks the context against the prompt with each image expanded.
+        expanded_len = len(ids) + sum((item.num_tokens or 1) - 1 for item in media)
+        counts_known = all(item.num_tokens is not None for item in media)
+        stopping = stopping_params(
+            req,
+            prompt_len=expanded_len,
+            requested=requested,
+            max_model_len=max_model_len,
+            vocab_size=self._tok.vocab_size,
+            prompt_param="messages",
+            max_param=max_param,
+        )
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        skip_special = req.skip_special_tokens and not plan.needs_special_tokens
+        prepared = PreparedRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=sampling_params(req, self._tok.vocab_size),
+            stopping=stopping,
+            # vLLM's expanded prompt shows each new image's size run by run.
+            output=OutputOptions(
+                logprobs=top,
+                skip_special_tokens=skip_special,
+                prompt_token_ids=not counts_known and self._image_token is not None,
+            ),
+            structured=structured,
+            n=req.n,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            lora_name=lora_name,
+            media=media,
+            kv_transfer_params=req.kv_transfer_params,
+            rank=rank,
+            stream=req.stream,
+            trace=trace,
+        )
+        return PreparedChat(
+            request=prepared,
+            plan=plan,
+            prompt_len=len(ids),
+            top_logprobs=top,
+            requested=requested,
+            max_model_len=max_model_len,
+            counts_known=counts_known,
+        )
+
+    async def tokenize(self, req: ChatCompletionRequest, body_size: int = 0) -> tuple[int, ...]:
+        """The prompt token ids ``req`` is sent to the engine with (``/tokenize``), each
+        image placeholder expanded to the tokens the engine makes of that image."""
+        template = self._require_template()
+        ids, images = await self._render(req, template, body_size)
+        if not images:
+            return ids
+        media, positions = await self._images(ids, images)
+        if positions is None or any(item.num_tokens is None for item in media):
+            raise ApiError(
+                400,
+                "the number of tokens this model makes of these images is not known yet; "
+                "send them once through /v1/chat/completions, or tokenize without images",
+                param="messages",
+                code="image_tokens_unknown",
+            )
+        expanded: list[int] = []
+        last = 0
+        for item, position in zip(media, positions, strict=True):
+            assert item.num_tokens is not None
+            expanded.extend(ids[last:position])
+            expanded.extend([ids[position]] * item.num_tokens)
+            last = position + 1
+        expanded.extend(ids[last:])
+        return tuple(expanded)
+
+    def _require_template(self) -> ChatTemplate:
+        if self._template is None:
+            raise ApiError(
+                400,
+                "this model has no chat template; the operator must set one with "
+                "--chat-template, or use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        return self._template
+
+    async def _render(
+        self,
+        req: ChatCompletionRequest,
+        template: ChatTemplate,
+        body_size: int,
+        max_model_len: int | None = None,
+    ) -> tuple[tuple[int, ...], list[ImageRef]]:
+        """The messages rendered with the template and tokenized, and their images; off the
+        event loop when the body is large (``body_size`` bytes: every field counts). A text
+        surely longer than ``max_model_len`` tokens is refused before it is tokenized."""
+        offload = body_size > OFFLOAD_BYTES
+        converter = _Converter(
+            template.content_format, self._settings.image_placeholder, self._limits
+        )
+
+        def convert() -> list[dict[str, Any]]:
+            return [converter.message(m, i) for i, m in enumerate(req.messages)]
+
+        messages = await asyncio.to_thread(convert) if offload else convert()
         if converter.images and self._media is None:
             raise unsupported(
                 "messages", "contains image parts, which this gateway cannot serve yet"
@@ -253,9 +412,8 @@ class ChatPreparer:
         tools = [_tool_dict(t) for t in req.tools] if req.tools else None
         add_special = bool(req.add_special_tokens)
         generation_prompt = req.add_generation_prompt and not req.continue_final_message
-        size = sum(len(str(m.get("content", ""))) for m in messages)
         key = None
-        if size <= OFFLOAD_CHARS and template.deterministic:
+        if body_size <= KEYED_BYTES and template.deterministic:
             key = _conversation_key(
                 messages,
                 tools,
@@ -276,115 +434,110 @@ class ChatPreparer:
                 continue_final_message=req.continue_final_message,
                 extra=extra,
             )
+            if (
+                max_model_len is not None
+                and req.truncate_prompt_tokens is None
+                and self._tok.surely_exceeds(text, max_model_len)
+            ):
+                raise refuse_unfitting_text(len(text), max_model_len, "messages")
             return tuple(self._tok.encode(text, add_special))
 
         if cached is not None:
             ids = cached
         else:
             try:
-                ids = await asyncio.to_thread(render) if size > OFFLOAD_CHARS else render()
+                ids = await asyncio.to_thread(render) if offload else render()
             except TemplateRenderError as exc:
                 raise invalid(f"chat template error: {exc}", "messages") from None
             if key is not None:
                 self._prompts.put(key, ids)
         if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
             ids = ids[-req.truncate_prompt_tokens :]
+        return ids, converter.images
 
-        media: tuple[MediaInput, ...] = ()
-        if converter.images:
-            assert self._media is not None
-            positions: list[int] | None = None
-            image_token = self._image_token
-            if image_token is not None:
-                positions = [i for i, token in enumerate(ids) if token == image_token]
-                if len(positions) != len(converter.images):
-                    raise invalid(
-                        f"the rendered prompt has {len(positions)} image placeholders for "
-                        f"{len(converter.images)} images",
-                        "messages",
-                    )
-            try:
-                media = await self._media.prepare(converter.images)
-            except ImageError as exc:
-                raise ApiError(
-                    exc.status, exc.message, param="messages", code="invalid_image"
-                ) from None
-            if positions is not None:
-                # Where each image sits lets the router expand it and match the blocks it fills.
-                media = tuple(
-                    msgspec.structs.replace(item, position=position)
-                    for item, position in zip(media, positions, strict=True)
+    async def _images(
+        self, ids: tuple[int, ...], images: list[ImageRef], budget: int | None = None
+    ) -> tuple[tuple[MediaInput, ...], list[int] | None]:
+        """The prepared images and where their placeholders sit in ``ids`` (None when the
+        placeholder's token id is unknown)."""
+        assert self._media is not None
+        positions: list[int] | None = None
+        image_token = self._image_token
+        if image_token is not None:
+            positions = [i for i, token in enumerate(ids) if token == image_token]
+            if len(positions) != len(images):
+                raise invalid(
+                    f"the rendered prompt has {len(positions)} image placeholders for "
+                    f"{len(images)} images",
+                    "messages",
                 )
-
-        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        stopping = stopping_params(
-            req,
-            prompt_len=len(ids),
-            requested=req.max_completion_tokens or req.max_tokens,
-            max_model_len=max_model_len,
-            vocab_size=self._tok.vocab_size,
-            prompt_param="messages",
-            max_param=max_param,
-        )
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        skip_special = req.skip_special_tokens and not plan.tool_calls
-        prepared = PreparedRequest(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling=sampling_params(req, self._tok.vocab_size),
-            stopping=stopping,
-            output=OutputOptions(logprobs=top, skip_special_tokens=skip_special),
-            structured=structured,
-            n=req.n,
-            cache_salt=req.cache_salt,
-            priority=req.priority,
-            lora_name=lora_name,
-            media=media,
-            kv_transfer_params=req.kv_transfer_params,
-            rank=rank,
-            stream=req.stream,
-        )
-        return PreparedChat(request=prepared, plan=plan, prompt_len=len(ids), top_logprobs=top)
+        try:
+            media = await self._media.prepare(images, budget)
+        except ImagesOverBudget:
+            raise
+        except ImageError as exc:
+            raise ApiError(
+                exc.status, exc.message, param="messages", code="invalid_image"
+            ) from None
+        return media, positions
 
     def observe(self, prepared: PreparedChat, first: Delta | None) -> None:
-        """Report vLLM's expanded prompt length of an image request to the media hook."""
+        """Report vLLM's expanded prompt of an image request to the media hook, and finish the
+        context-length check an image of unknown size left open.
+
+        Raises ApiError (400, as vLLM's own server answers) when the expanded prompt and the
+        requested tokens do not fit the context; the caller closes the engine stream.
+        """
         media = prepared.request.media
-        if media and self._media is not None and first is not None and first.prompt_tokens:
-            self._media.observe(media, prepared.prompt_len, first.prompt_tokens)
+        if not media or self._media is None or first is None or not first.prompt_tokens:
+            return
+        self._media.observe(media, prepared.prompt_len, first.prompt_tokens, first.prompt_token_ids)
+        requested, limit = prepared.requested, prepared.max_model_len
+        if not prepared.counts_known and requested is not None:
+            check_context(first.prompt_tokens, requested, limit)
 
     def _plan(self, req: ChatCompletionRequest) -> tuple[OutputPlan, StructuredOutput | None]:
         settings = self._settings
-        starts_inside = (
-            REASONING_STARTS_INSIDE[settings.reasoning_parser]
-            if settings.reasoning_parser is not None
-            else None
-        )
         choice = req.tool_choice
         if choice is not None and choice != "none" and not req.tools:
             raise invalid("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
+        named: str | None = None
         if isinstance(choice, NamedToolChoice):
             assert req.tools is not None
-            match = next((t for t in req.tools if t.function.name == choice.function.name), None)
-            if match is None:
+            named = choice.function.name
+            if not any(t.function.name == named for t in req.tools):
                 raise invalid(
-                    f"tool_choice names function '{choice.function.name}', which is not in 'tools'",
+                    f"tool_choice names function '{named}', which is not in 'tools'",
                     "tool_choice.function.name",
                 )
-            schema = match.function.parameters or {"type": "object"}
-            forced = StructuredOutput(kind="json", spec=orjson.dumps(schema).decode())
-            plan = OutputPlan(
-                reasoning_starts_inside=starts_inside, forced_name=match.function.name
+        tools = (
+            [
+                Tool(t.function.name, t.function.parameters, t.function.strict is True)
+                for t in req.tools
+            ]
+            if req.tools
+            else None
+        )
+        try:
+            result = plan_for(
+                settings.tool_call_parser,
+                settings.reasoning_parser,
+                settings.vocabulary,
+                tools=tools,
+                tool_choice=None if named is not None else choice,  # type: ignore[arg-type]
+                named=named,
+                parallel_tool_calls=req.parallel_tool_calls,
+                template_kwargs=req.chat_template_kwargs or {},
             )
-            return plan, forced
-        if choice == "required":
-            assert req.tools is not None
-            schema = required_tools_schema(
-                [(t.function.name, t.function.parameters) for t in req.tools]
-            )
-            forced = StructuredOutput(kind="json", spec=orjson.dumps(schema).decode())
-            return OutputPlan(reasoning_starts_inside=starts_inside, forced_any=True), forced
-        parse_tools = bool(req.tools) and choice != "none" and settings.tool_call_parser is not None
-        return OutputPlan(reasoning_starts_inside=starts_inside, tool_calls=parse_tools), None
+        except ValueError as exc:
+            raise invalid(str(exc), "tools") from None
+        forced = None
+        if result.schema is not None:
+            forced = StructuredOutput(kind="json", spec=orjson.dumps(result.schema).decode())
+        elif result.structural_tag is not None:
+            spec = orjson.dumps(result.structural_tag).decode()
+            forced = StructuredOutput(kind="structural_tag", spec=spec)
+        return result.plan, forced
 
 
 def _conversation_key(*parts: Any) -> bytes | None:

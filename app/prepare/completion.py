@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import cast
 
 from app.errors import invalid, unsupported
+from app.limits import InputLimits, check_engine_json, check_fanout
 from app.prepare.params import (
     check_token_ids,
+    refuse_unfitting_text,
     refuse_unsupported,
     sampling_params,
     stopping_params,
@@ -16,10 +19,11 @@ from app.prepare.params import (
 from app.prepare.rank import resolve_rank
 from app.prepare.tokenizer import TextTokenizer
 from app.schemas.requests import CompletionRequest
-from sidecar.types import OutputOptions, PreparedRequest
+from sidecar.types import OutputOptions, PreparedRequest, RequestTrace
 
 MAX_PROMPTS = 256
-OFFLOAD_CHARS = 16_384
+# Requests with bodies larger than this (bytes) are checked and tokenized off the event loop.
+OFFLOAD_BYTES = 16_384
 DEFAULT_MAX_TOKENS = 16
 _COMPLETION_REFUSED = (
     ("suffix", "is not supported (no insertion mode)"),
@@ -35,6 +39,9 @@ class PreparedCompletion:
     prompt_lengths: tuple[int, ...]
     echo: tuple[str, ...] | None
     top_logprobs: int | None
+
+
+_JUST_INT = {int}
 
 
 def split_prompts(value: str | list[object]) -> list[Prompt]:
@@ -68,6 +75,11 @@ def split_prompts(value: str | list[object]) -> list[Prompt]:
 def _token_list(items: list[object], where: str) -> list[int]:
     if not items:
         raise invalid("a token prompt must not be empty", where)
+    # A decoded JSON array of ids is checked in C (``type``, not ``isinstance``: a bool is an
+    # int too): a prompt of thousands of ids would otherwise cost a Python loop per id.
+    ids = cast("list[int]", items)
+    if set(map(type, ids)) == _JUST_INT and min(ids) >= 0:
+        return ids
     for j, token in enumerate(items):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise invalid("token ids must be non-negative integers", f"{where}[{j}]")
@@ -75,9 +87,15 @@ def _token_list(items: list[object], where: str) -> list[int]:
 
 
 class CompletionPreparer:
-    def __init__(self, tokenizer: TextTokenizer, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        ranks: tuple[int, ...] = (),
+        limits: InputLimits | None = None,
+    ) -> None:
         self._tok = tokenizer
         self._ranks = ranks
+        self._limits = limits or InputLimits()
 
     async def prepare(
         self,
@@ -87,25 +105,56 @@ class CompletionPreparer:
         lora_name: str | None,
         max_model_len: int,
         rank: int | None,
+        trace: RequestTrace | None = None,
+        body_size: int = 0,
     ) -> PreparedCompletion:
+        """``body_size`` (bytes of the request body) decides whether the prompts are checked
+        and tokenized off the event loop."""
         refuse_unsupported(req, _COMPLETION_REFUSED)
         rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "is supported only when equal to n")
         if req.echo and req.logprobs is not None:
             raise unsupported("echo", "cannot be combined with logprobs (no prompt logprobs)")
-        prompts = split_prompts(req.prompt)
+        if req.kv_transfer_params:
+            check_engine_json(req.kv_transfer_params, "kv_transfer_params")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        args = (req, add_special, request_id, lora_name, max_model_len, rank, trace)
+        if body_size > OFFLOAD_BYTES:
+            return await asyncio.to_thread(self._build, *args)
+        return self._build(*args)
+
+    def _build(
+        self,
+        req: CompletionRequest,
+        add_special: bool,
+        request_id: str,
+        lora_name: str | None,
+        max_model_len: int,
+        rank: int | None,
+        trace: RequestTrace | None,
+    ) -> PreparedCompletion:
+        prompts, token_prompts = self._tokenize(req, add_special, max_model_len)
+        return self._requests(
+            req, prompts, token_prompts, request_id, lora_name, max_model_len, rank, trace
+        )
+
+    def _tokenize(
+        self, req: CompletionRequest, add_special: bool, max_model_len: int
+    ) -> tuple[list[Prompt], list[list[int]]]:
+        prompts = split_prompts(req.prompt)
+        check_fanout(len(prompts), req.n, self._limits)
         texts = [p for p in prompts if isinstance(p, str)]
+        if req.truncate_prompt_tokens is None:
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, str) and self._tok.surely_exceeds(prompt, max_model_len):
+                    where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                    raise refuse_unfitting_text(len(prompt), max_model_len, where)
         encoded: list[list[int]] = []
-        if texts:
-            size = sum(len(t) for t in texts)
-            if size > OFFLOAD_CHARS:
-                encoded = await asyncio.to_thread(self._tok.encode_batch, texts, add_special)
-            elif len(texts) == 1:
-                encoded = [self._tok.encode(texts[0], add_special)]
-            else:
-                encoded = self._tok.encode_batch(texts, add_special)
+        if len(texts) == 1:
+            encoded = [self._tok.encode(texts[0], add_special)]
+        elif texts:
+            encoded = self._tok.encode_batch(texts, add_special)
         next_text = iter(encoded)
         token_prompts: list[list[int]] = []
         for i, prompt in enumerate(prompts):
@@ -120,9 +169,21 @@ class CompletionPreparer:
             if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
                 ids = ids[-req.truncate_prompt_tokens :]
             token_prompts.append(ids)
+        return prompts, token_prompts
 
+    def _requests(
+        self,
+        req: CompletionRequest,
+        prompts: list[Prompt],
+        token_prompts: list[list[int]],
+        request_id: str,
+        lora_name: str | None,
+        max_model_len: int,
+        rank: int | None,
+        trace: RequestTrace | None,
+    ) -> PreparedCompletion:
         sampling = sampling_params(req, self._tok.vocab_size)
-        structured = structured_output(req)
+        structured = structured_output(req, self._limits)
         output = OutputOptions(logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens)
         requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         requests: list[PreparedRequest] = []
@@ -154,6 +215,7 @@ class CompletionPreparer:
                     kv_transfer_params=req.kv_transfer_params,
                     rank=rank,
                     stream=req.stream,
+                    trace=trace,
                 )
             )
         echo: tuple[str, ...] | None = None

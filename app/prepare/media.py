@@ -17,12 +17,22 @@ class MediaHook(Protocol):
     def configure(self, info: EngineInfo) -> None:
         """The discovered engine's model decides how many tokens an image becomes."""
 
-    async def prepare(self, images: Sequence[ImageRef]) -> tuple[MediaInput, ...]: ...
+    async def prepare(
+        self, images: Sequence[ImageRef], token_budget: int | None = None
+    ) -> tuple[MediaInput, ...]:
+        """The images as media inputs; with ``token_budget``, images whose headers already
+        show they cannot fit it are refused before any is decoded."""
+        ...
 
     def observe(
-        self, media: Sequence[MediaInput], prompt_len: int, expanded_prompt_tokens: int
+        self,
+        media: Sequence[MediaInput],
+        prompt_len: int,
+        expanded_prompt_tokens: int,
+        expanded_ids: Sequence[int] | None = None,
     ) -> None:
-        """vLLM's expanded prompt length teaches the token counts of images it has seen."""
+        """vLLM's expanded prompt teaches the token counts of images it has seen: each image's
+        run in ``expanded_ids`` when vLLM returned them, else what the length pins down."""
 
 
 # Tokens that commonly stand for "one image here" in chat templates, most specific first.

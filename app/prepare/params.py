@@ -8,11 +8,15 @@ a 400 naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Collection
+from operator import attrgetter
+from typing import Any
 
 import orjson
 
 from app.errors import ApiError, invalid, unsupported
+from app.limits import InputLimits, check_json_text
 from app.schemas.requests import (
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
@@ -29,12 +33,25 @@ _REFUSED_COMMON = (
 )
 
 
-def refuse_unsupported(req: SamplingFields, extra: Iterable[tuple[str, str]] = ()) -> None:
+_NONE_OR_BOOL = frozenset({type(None), bool})
+
+
+@functools.cache
+def _refused(extra: tuple[tuple[str, str], ...]) -> tuple[tuple[tuple[str, str], ...], Any]:
+    """Each endpoint's refused fields, and one getter that reads them all in a C call."""
+    fields = (*_REFUSED_COMMON, *extra)
+    return fields, attrgetter(*(name for name, _ in fields))
+
+
+def refuse_unsupported(req: SamplingFields, extra: tuple[tuple[str, str], ...] = ()) -> None:
     """Known-but-refused fields: set to anything but null/false, they are a 400 naming them."""
-    for name, why in (*_REFUSED_COMMON, *extra):
-        value = getattr(req, name)
-        if value is not None and value is not False:
-            raise unsupported(name, why)
+    fields, values = _refused(extra)
+    got = values(req)
+    # Whether every one is None or False, in C; the loop only names the one that is not.
+    if not set(map(type, got)) <= _NONE_OR_BOOL or True in got:
+        for value, (name, why) in zip(got, fields, strict=True):
+            if value is not None and value is not False:
+                raise unsupported(name, why)
     if req.stream_options is not None and not req.stream:
         raise invalid(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
@@ -42,7 +59,19 @@ def refuse_unsupported(req: SamplingFields, extra: Iterable[tuple[str, str]] = (
         )
 
 
-def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+def check_token_ids(
+    ids: Collection[int], vocab_size: int, param: str, *, a_set: bool = False
+) -> None:
+    """A 400 for an id outside the vocabulary. ``a_set`` (ids that each name a token once
+    over, like ``logit_bias``): more ids than the vocabulary has are refused before any is
+    looked at, since each is also sent to the engine one by one."""
+    if a_set and len(ids) > vocab_size:
+        raise invalid(
+            f"'{param}' lists {len(ids)} token ids, more than the vocabulary's {vocab_size}",
+            param,
+        )
+    if max(ids, default=-1) < vocab_size:
+        return
     for token in ids:
         if token >= vocab_size:
             raise invalid(
@@ -52,11 +81,11 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
 
 def sampling_params(req: SamplingFields, vocab_size: int) -> SamplingParams:
     if req.logit_bias:
-        check_token_ids(req.logit_bias, vocab_size, "logit_bias")
+        check_token_ids(req.logit_bias, vocab_size, "logit_bias", a_set=True)
     if req.allowed_token_ids is not None:
         if not req.allowed_token_ids:
             raise invalid("'allowed_token_ids' must not be empty", "allowed_token_ids")
-        check_token_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
+        check_token_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids", a_set=True)
     top_k = req.top_k or 0
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -80,6 +109,31 @@ def stop_strings(req: SamplingFields) -> tuple[str, ...]:
         if not stop:
             raise invalid("stop strings must not be empty", f"stop[{i}]" if i else "stop")
     return stops
+
+
+def refuse_unfitting_text(chars: int, max_model_len: int, prompt_param: str) -> ApiError:
+    """The context-length error for a prompt whose text alone is known to be too long."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt's text is {chars} characters, more than that many tokens can hold. Please "
+        f"reduce the length of '{prompt_param}'.",
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
+
+
+def check_context(prompt_len: int, requested: int, max_model_len: int) -> None:
+    """vLLM's 400 for a prompt and ``max_tokens`` that together exceed the context."""
+    if prompt_len + requested > max_model_len:
+        raise ApiError(
+            400,
+            f"'max_tokens' is too large: {requested}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({requested} > {max_model_len} - {prompt_len}).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def stopping_params(
@@ -121,7 +175,7 @@ def stopping_params(
             "min_tokens",
         )
     if req.stop_token_ids:
-        check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids", a_set=True)
     return StoppingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
@@ -132,8 +186,12 @@ def stopping_params(
     )
 
 
-def _json_spec(value: str | dict[str, object], param: str) -> str:
+_DEFAULT_LIMITS = InputLimits()
+
+
+def _json_spec(value: str | dict[str, object], param: str, limits: InputLimits) -> str:
     if isinstance(value, str):
+        check_json_text(value, param, limits)
         try:
             orjson.loads(value)
         except orjson.JSONDecodeError as exc:
@@ -142,8 +200,12 @@ def _json_spec(value: str | dict[str, object], param: str) -> str:
     return orjson.dumps(value).decode()
 
 
-def structured_output(req: SamplingFields) -> StructuredOutput | None:
-    """The one structured-output constraint the request asks for, from any of its spellings."""
+def structured_output(
+    req: SamplingFields, limits: InputLimits = _DEFAULT_LIMITS
+) -> StructuredOutput | None:
+    """The one structured-output constraint the request asks for, from any of its spellings.
+
+    A schema sent as JSON text gets the body's shape limits before the engine parses it."""
     found: list[tuple[str, StructuredOutput]] = []
     fmt = req.response_format
     if isinstance(fmt, ResponseFormatJsonObject):
@@ -156,10 +218,10 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
                 "response_format.json_schema.schema",
             )
         found.append(
-            ("response_format", StructuredOutput(kind="json", spec=_json_spec(schema, "")))
+            ("response_format", StructuredOutput(kind="json", spec=_json_spec(schema, "", limits)))
         )
     if req.guided_json is not None:
-        spec = _json_spec(req.guided_json, "guided_json")
+        spec = _json_spec(req.guided_json, "guided_json", limits)
         found.append(("guided_json", StructuredOutput(kind="json", spec=spec)))
     if req.guided_regex is not None:
         found.append(("guided_regex", StructuredOutput(kind="regex", spec=req.guided_regex)))
@@ -173,7 +235,9 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
         inner: list[StructuredOutput] = []
         if so.json is not None:
             inner.append(
-                StructuredOutput(kind="json", spec=_json_spec(so.json, "structured_outputs.json"))
+                StructuredOutput(
+                    kind="json", spec=_json_spec(so.json, "structured_outputs.json", limits)
+                )
             )
         if so.regex is not None:
             inner.append(StructuredOutput(kind="regex", spec=so.regex))

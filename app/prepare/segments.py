@@ -13,15 +13,22 @@ text, so :func:`segmentable` admits the components known to work that way and no
 (no stripping or single-word added tokens, no ``Metaspace`` that prepends only at the start
 of the text); the encoder also checks itself against whole-text encoding on a set of probes
 when it is built and declines to segment when any differ.
+
+The cut itself is an Aho-Corasick automaton with leftmost-longest matching, the same search
+``tokenizers`` runs, first over the tokens it matches on the raw text and then over the
+normalized ones inside each piece between those, as the library does. Its cost per request
+does not grow with the number of added tokens, and building it for tens of thousands of them
+takes milliseconds.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import ahocorasick_rs
 
 # Pre-tokenizers and normalizers that treat a piece the same wherever it sits in the text.
 _SAFE_PRE_TOKENIZERS = frozenset(
@@ -65,6 +72,8 @@ _PROBES = (
     "\n",
 )
 
+# Added tokens the encoder tries when it checks itself (see :func:`probes`).
+MAX_PROBED_TOKENS = 256
 # Pieces longer than this are encoded each time rather than kept.
 MAX_PIECE_CHARS = 8192
 # Entries and total token ids kept; the oldest go first.
@@ -87,23 +96,18 @@ def _component_ok(spec: Any, safe: frozenset[str]) -> bool:
 
 def segmentable(spec: dict[str, Any]) -> bool:
     """Whether a ``tokenizer.json`` encodes each piece between added tokens independently."""
-    raw: list[str] = []
-    normalized: list[str] = []
+    normalized = False
     for token in spec.get("added_tokens", ()):
         if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
             return False
         content = token.get("content")
         if not content or not isinstance(content, str):
             return False
-        (normalized if token.get("normalized") else raw).append(content)
-    if normalized:
-        # ``tokenizers`` cuts at raw tokens first, then at normalized ones inside each piece:
-        # one pass over all of them agrees only without a normalizer and when neither kind
-        # of token contains the other.
-        if spec.get("normalizer") is not None:
-            return False
-        if any(a in b or b in a for a in raw for b in normalized):
-            return False
+        normalized = normalized or bool(token.get("normalized"))
+    # ``tokenizers`` matches normalized tokens in the normalized text: the pieces agree with
+    # the raw text's only without a normalizer.
+    if normalized and spec.get("normalizer") is not None:
+        return False
     model = spec.get("model") or {}
     return (
         model.get("type") in _SAFE_MODELS
@@ -112,49 +116,144 @@ def segmentable(spec: dict[str, Any]) -> bool:
     )
 
 
+class _Cut:
+    """One pass of the added-token search: leftmost-longest, as ``tokenizers`` does it."""
+
+    __slots__ = ("find", "ids")
+
+    def __init__(self, tokens: dict[str, int]) -> None:
+        texts = list(tokens)
+        self.ids = [tokens[t] for t in texts]
+        automaton = ahocorasick_rs.AhoCorasick(
+            texts, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest
+        )
+        self.find = automaton.find_matches_as_indexes
+
+
 class SegmentEncoder:
     """Whole-text-equivalent encoding (no special tokens added) from cached pieces.
 
     ``encode_piece`` encodes one piece without adding special tokens; ``added`` maps each added
-    token's text to its id. Safe to call from several threads (a long prompt is tokenized off
-    the event loop).
+    token's text to its id, and ``normalized`` the added tokens that ``tokenizers`` looks for
+    only in the pieces between the others (those marked ``normalized``). Safe to call from
+    several threads (a long prompt is tokenized off the event loop).
     """
 
-    def __init__(self, encode_piece: Callable[[str], list[int]], added: dict[str, int]) -> None:
+    def __init__(
+        self,
+        encode_piece: Callable[[str], list[int]],
+        added: dict[str, int],
+        normalized: dict[str, int] | None = None,
+    ) -> None:
         self._encode_piece = encode_piece
-        self._added = dict(added)
-        self._split: Callable[[str], list[str]] = _whole
-        if self._added:
-            # Longest first: at one position the longest added token wins, as in
-            # ``tokenizers``.
-            alternatives = sorted(self._added, key=len, reverse=True)
-            self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")").split
+        self._outer = _Cut(added) if added else None
+        self._inner = _Cut(normalized) if normalized else None
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        parts = self._split(text)
         ids: list[int] = []
+        cut = self._outer
+        if cut is None or self._inner is not None:
+            if cut is not None and self._inner is not None:
+                self._two_cuts(text, cut, self._inner, ids)
+            else:
+                self._between(text, cut, ids)
+            return ids
+        # The common case, one pass, with the piece lookup inline: this runs per request.
         pieces = self._pieces
-        added = self._added
-        # ``re.split`` with one group alternates text, separator, text, ...
-        for i, part in enumerate(parts):
-            if i & 1:
-                ids.append(added[part])
-                continue
-            if not part:
-                continue
-            cached = pieces.get(part)
-            if cached is None:
-                ids.extend(self._miss(part))
-                continue
-            try:  # noqa: SIM105 (cheaper than contextlib.suppress per lookup)
-                pieces.move_to_end(part)
-            except KeyError:
-                pass  # evicted by another thread just now
-            ids.extend(cached)
+        table = cut.ids
+        pos = 0
+        for index, start, end in cut.find(text):
+            if start > pos:
+                piece = text[pos:start]
+                cached = pieces.get(piece)
+                if cached is None:
+                    ids.extend(self._miss(piece))
+                else:
+                    try:  # noqa: SIM105 (cheaper than contextlib.suppress per lookup)
+                        pieces.move_to_end(piece)
+                    except KeyError:
+                        pass  # evicted by another thread just now
+                    ids.extend(cached)
+            ids.append(table[index])
+            pos = end
+        if pos < len(text):
+            self._piece(text[pos:] if pos else text, ids)
         return ids
+
+    def _two_cuts(self, text: str, outer: _Cut, inner: _Cut, ids: list[int]) -> None:
+        """Both passes with one search each over the whole text: the inner matches that lie
+        inside a piece between outer tokens are the ones a search of that piece alone would
+        find, unless one reaches across the piece's edge; only such a piece is searched
+        again on its own."""
+        found = inner.find(text)
+        count = len(found)
+        table = inner.ids
+        j = 0
+        pos = 0
+        for index, start, end in (*outer.find(text), (-1, len(text), len(text))):
+            if start > pos:
+                while j < count and found[j][2] <= pos:
+                    j += 1
+                first = j
+                while j < count and found[j][2] <= start:
+                    j += 1
+                across = (first < count and found[first][1] < pos) or (
+                    j < count and found[j][1] < start
+                )
+                if across:
+                    self._between(text[pos:start], inner, ids)
+                else:
+                    at = pos
+                    for k in range(first, j):
+                        which, begin, finish = found[k]
+                        if begin > at:
+                            self._piece(text[at:begin], ids)
+                        ids.append(table[which])
+                        at = finish
+                    if at < start:
+                        self._piece(text[at:start], ids)
+            if index >= 0:
+                ids.append(outer.ids[index])
+            pos = end
+
+    def _between(self, text: str, cut: _Cut | None, ids: list[int]) -> None:
+        """Cut ``text`` at the outer tokens (when ``cut`` is the outer pass) and each piece
+        between at the normalized ones."""
+        if cut is None:
+            cut = self._inner
+            if cut is None:
+                self._piece(text, ids)
+                return
+        inner = self._inner if cut is self._outer else None
+        pos = 0
+        table = cut.ids
+        for index, start, end in cut.find(text):
+            if start > pos:
+                self._between_or_piece(text[pos:start], inner, ids)
+            ids.append(table[index])
+            pos = end
+        if pos < len(text):
+            self._between_or_piece(text[pos:] if pos else text, inner, ids)
+
+    def _between_or_piece(self, text: str, inner: _Cut | None, ids: list[int]) -> None:
+        if inner is None:
+            self._piece(text, ids)
+        else:
+            self._between(text, inner, ids)
+
+    def _piece(self, piece: str, ids: list[int]) -> None:
+        cached = self._pieces.get(piece)
+        if cached is None:
+            ids.extend(self._miss(piece))
+            return
+        try:  # noqa: SIM105 (cheaper than contextlib.suppress per lookup)
+            self._pieces.move_to_end(piece)
+        except KeyError:
+            pass  # evicted by another thread just now
+        ids.extend(cached)
 
     def _miss(self, piece: str) -> list[int]:
         ids = self._encode_piece(piece)
@@ -192,13 +291,19 @@ class SegmentEncoder:
             self._tokens = 0
 
 
-def _whole(text: str) -> list[str]:
-    return [text]
+def probes(added: Iterable[str], limit: int | None = None) -> list[str]:
+    """Texts that mix added tokens with the probe pieces, for :meth:`agrees`.
 
-
-def probes(added: Iterable[str]) -> list[str]:
-    """Texts that mix every added token with the probe pieces, for :meth:`agrees`."""
+    With ``limit``, only that many tokens are tried: the first half of them in order (the
+    raw ones, a template's markers, come first) and the rest spread evenly over the others.
+    The automaton finds every token by construction; what the probes check is that the
+    pieces between tokens encode the same wherever they sit, which a sample shows as well.
+    """
     tokens = list(added)
+    if limit is not None and len(tokens) > limit:
+        head = limit // 2
+        step = -(-(len(tokens) - head) // (limit - head))
+        tokens = tokens[:head] + tokens[head::step]
     texts = list(_PROBES)
     for i, token in enumerate(tokens):
         a, b = _PROBES[i % len(_PROBES)], _PROBES[(i + 3) % len(_PROBES)]

@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer
 
-from app.prepare.segments import SegmentEncoder, probes, segmentable
+from app.prepare.segments import MAX_PROBED_TOKENS, SegmentEncoder, probes, segmentable
+from app.prepare.text_bound import chars_per_token_bound
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -148,6 +149,10 @@ def read_tokenizer_files(directory: Path) -> TokenizerFiles:
     )
 
 
+# Texts longer than this (characters) are encoded through ``encode_batch``.
+LONG_TEXT_CHARS = 8192
+
+
 class TextTokenizer:
     """``tokenizers`` behind the few calls the gateway needs, with per-token text cached."""
 
@@ -169,13 +174,23 @@ class TextTokenizer:
         self._bytes_cache: list[bytes | None] = [None] * self.vocab_size
         self._specials_add_nothing = False
         self._segments = self._segment_encoder(spec)
+        # A text longer than this many characters per token surely has more tokens.
+        self.max_chars_per_token = chars_per_token_bound(spec)
 
     def _segment_encoder(self, spec: dict[str, Any]) -> SegmentEncoder | None:
         if not segmentable(spec):
             return None
-        added = {str(t["content"]): int(t["id"]) for t in spec.get("added_tokens", ())}
-        segments = SegmentEncoder(self._encode_plain, added)
-        texts = probes(added)
+        raw: dict[str, int] = {}
+        normalized: dict[str, int] = {}
+        for token in spec.get("added_tokens", ()):
+            content = str(token["content"])
+            # The library's id: a token already in the model's vocabulary keeps that one.
+            found = self._tok.token_to_id(content)
+            (normalized if token.get("normalized") else raw)[content] = (
+                int(token["id"]) if found is None else found
+            )
+        segments = SegmentEncoder(self._encode_plain, raw, normalized)
+        texts = probes([*raw, *normalized], MAX_PROBED_TOKENS)
         if not segments.agrees(self._encode_plain, texts):
             return None
         segments.clear()
@@ -196,17 +211,32 @@ class TextTokenizer:
         """Whether prompts are encoded from cached pieces (see :mod:`app.prepare.segments`)."""
         return self._segments is not None
 
+    def surely_exceeds(self, text: str, tokens: int) -> bool:
+        """Whether ``text`` has more than ``tokens`` tokens, known without encoding it."""
+        bound = self.max_chars_per_token
+        return bound is not None and len(text) > tokens * bound
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            return self.encode_batch([text], add_special_tokens)[0]
         segments = self._segments
         if segments is not None and (not add_special_tokens or self._specials_add_nothing):
             return segments.encode(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        """Encoded with the GIL released (``encode`` holds it for the whole text), so a worker
+        thread encoding long prompts leaves the event loop free."""
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
 
     def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: tuple[int, ...]) -> list[str]:
+        """Each id's vocabulary entry (``convert_ids_to_tokens``), "" for an unknown id."""
+        tok = self._tok
+        return [tok.id_to_token(i) or "" for i in ids]
 
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)

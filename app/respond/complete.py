@@ -75,8 +75,9 @@ async def chat_completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) ->
             parser = ChoiceParser(ctx.plan)
             parsed = parser.feed(text)
             tail = parser.finish()
-            message = _parsed_message(parsed, tail)
-            finish = parser.finish_reason(finish)
+            forced = ctx.plan.named or ctx.plan.required
+            message = _parsed_message(parsed, tail, forced=forced)
+            finish = parser.finish_reason(finish, streamed=False)
         logprobs: ChatLogprobs | None = None
         if ctx.logprobs is not None:
             entries: list[ChatTokenLogprob] = ctx.logprobs.chat(choice.logprobs)
@@ -101,7 +102,7 @@ async def chat_completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) ->
     return _ENCODER.encode(body)
 
 
-def _parsed_message(head: Parsed, tail: Parsed) -> ChatMessageOut:
+def _parsed_message(head: Parsed, tail: Parsed, *, forced: bool) -> ChatMessageOut:
     reasoning = head.reasoning + tail.reasoning
     content = head.content + tail.content
     calls: dict[int, list[str]] = {}
@@ -117,7 +118,8 @@ def _parsed_message(head: Parsed, tail: Parsed) -> ChatMessageOut:
         )
         for i in sorted(names)
     ]
-    message = ChatMessageOut(content=content if content or not tool_calls else None)
+    # As vLLM answers: no text is null content, except under a forcing tool_choice.
+    message = ChatMessageOut(content=content if content or forced else None)
     if tool_calls:
         message.tool_calls = tool_calls
     if reasoning:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from app.respond.logprobs import LogprobFormatter
 from app.respond.parsers import OutputPlan
@@ -11,8 +12,10 @@ from app.respond.parsers import OutputPlan
 NO_PARSING = OutputPlan()
 
 
-@dataclass(frozen=True, slots=True)
-class ResponseContext:
+class ResponseContext(msgspec.Struct, frozen=True, kw_only=True):
+    """A Struct, not a frozen dataclass: one is made per request, and a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``."""
+
     kind: Literal["chat", "completion"]
     response_id: str
     created: int

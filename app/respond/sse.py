@@ -11,6 +11,7 @@ chunk passes through no generator layer of its own between the encoder and the s
 
 from __future__ import annotations
 
+from asyncio import get_running_loop
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.errors import as_api_error
+from app.observe import Tracked
 from app.respond.merge import close_stream, unprimed
 from sidecar.types import Delta
 
@@ -38,6 +40,16 @@ class ChunkEncoder(Protocol):
 
     def tail(self) -> bytes:
         """The stream's last bytes (the usage chunk when asked for, and ``[DONE]``)."""
+
+
+def encoded_error(encoder: ChunkEncoder, exc: Exception) -> tuple[int, bytes]:
+    """A failure as ``encoder``'s stream tells it: its own ``error(exc)`` when it has one
+    (the Responses API's ``response.failed``), else the chat-style error event."""
+    own = getattr(encoder, "error", None)
+    if own is not None:
+        result: tuple[int, bytes] = own(exc)
+        return result
+    return error_event(exc)
 
 
 class DeltaEvents:
@@ -95,7 +107,11 @@ class Guarded:
             async for chunk in self.events:
                 yield chunk
         except Exception as exc:
-            status, event = error_event(exc)
+            events = self.events
+            if isinstance(events, DeltaEvents):
+                status, event = encoded_error(events.encoder, exc)
+            else:
+                status, event = error_event(exc)
             yield event
         finally:
             await self.finish(status)
@@ -142,7 +158,10 @@ class EventStreamResponse(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             if isinstance(events, DeltaEvents):
-                status = await _send_encoded(events, send)
+                # In a task of its own, each delta resumes the few frames of the encoding loop
+                # rather than every frame of the ASGI stack above this response. Cancelling
+                # this task (the client left) cancels that one.
+                status = await get_running_loop().create_task(_send_encoded(events, send))
             else:
                 status = await _send_chunks(events, send)
             finished = True
@@ -176,28 +195,35 @@ async def _send_encoded(events: DeltaEvents, send: Send) -> int:
     chunk = encoder.chunk
     try:
         first, rest = unprimed(events.deltas)
+        if isinstance(rest, Tracked):
+            rest, note = rest.unwrap()
+        else:
+            note = None
         step = aiter(rest).__anext__
         out = chunk(first) if first is not None else b""
     except Exception as exc:
-        return await _send_error(exc, send)
+        return await _send_error(exc, send, encoder)
     while True:
         if out:
             await send({"type": "http.response.body", "body": out, "more_body": True})
         try:
-            out = chunk(await step())
+            delta = await step()
+            if note is not None:
+                note(delta)
+            out = chunk(delta)
         except StopAsyncIteration:
             break
         except Exception as exc:
-            return await _send_error(exc, send)
+            return await _send_error(exc, send, encoder)
     try:
         out = encoder.tail()
     except Exception as exc:
-        return await _send_error(exc, send)
+        return await _send_error(exc, send, encoder)
     await send({"type": "http.response.body", "body": out, "more_body": True})
     return 200
 
 
-async def _send_error(exc: Exception, send: Send) -> int:
-    status, event = error_event(exc)
+async def _send_error(exc: Exception, send: Send, encoder: ChunkEncoder | None = None) -> int:
+    status, event = error_event(exc) if encoder is None else encoded_error(encoder, exc)
     await send({"type": "http.response.body", "body": event, "more_body": True})
     return status

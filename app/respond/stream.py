@@ -138,10 +138,22 @@ class _ChatChunks:
             if finish is not None:
                 _merge(parsed, parser.finish())
                 finish = parser.finish_reason(finish)
-            body = _parsed_delta(parsed)
-            if body is None and finish is None and logprobs == b"null":
-                return out
-            delta_json = body if body is not None else b"{}"
+            bodies = _parsed_deltas(parsed)
+            if not bodies:
+                if finish is None and logprobs == b"null":
+                    return out
+                bodies = [b"{}"]
+            # A call's name and its arguments go out as successive chunks, as OpenAI streams.
+            for body in bodies[:-1]:
+                out += (
+                    self.choice
+                    + _index(i)
+                    + b',"delta":'
+                    + body
+                    + b',"logprobs":null,"finish_reason":null}'
+                    + frame.end(usage)
+                )
+            delta_json = bodies[-1]
         elif delta.text:
             delta_json = b'{"content":' + orjson.dumps(delta.text) + b"}"
         elif finish is not None or logprobs != b"null":
@@ -178,28 +190,31 @@ def _merge(into: Parsed, more: Parsed) -> None:
     into.calls.extend(more.calls)
 
 
-def _parsed_delta(parsed: Parsed) -> bytes | None:
-    if not (parsed.reasoning or parsed.content or parsed.calls):
-        return None
-    delta = ChatDelta()
-    if parsed.reasoning:
-        delta.reasoning_content = parsed.reasoning
-    if parsed.content:
-        delta.content = parsed.content
-    if parsed.calls:
-        calls: list[ToolCallDelta] = []
-        for call in parsed.calls:
-            item = ToolCallDelta(
-                index=call.index, function=ToolCallDeltaFunction(arguments=call.arguments)
-            )
-            if call.id is not None:
-                item.id = call.id
-                item.type = "function"
-            if call.name is not None:
-                item.function.name = call.name
-            calls.append(item)
-        delta.tool_calls = calls
-    return _ENCODER.encode(delta)
+def _parsed_deltas(parsed: Parsed) -> list[bytes]:
+    """The chat deltas of one parsed step: text and reasoning with the first call entry, then
+    one call entry per delta (a call's id and name, then its arguments)."""
+    deltas: list[ChatDelta] = []
+    if parsed.reasoning or parsed.content:
+        first = ChatDelta()
+        if parsed.reasoning:
+            first.reasoning_content = parsed.reasoning
+        if parsed.content:
+            first.content = parsed.content
+        deltas.append(first)
+    for n, call in enumerate(parsed.calls):
+        item = ToolCallDelta(
+            index=call.index, function=ToolCallDeltaFunction(arguments=call.arguments)
+        )
+        if call.id is not None:
+            item.id = call.id
+            item.type = "function"
+        if call.name is not None:
+            item.function.name = call.name
+        if n == 0 and deltas:
+            deltas[0].tool_calls = [item]
+        else:
+            deltas.append(ChatDelta(tool_calls=[item]))
+    return [_ENCODER.encode(d) for d in deltas]
 
 
 class _CompletionChunks:

@@ -9,15 +9,19 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
-from app.errors import from_decode_error, invalid
+from app.errors import ApiError, from_decode_error, invalid
 from app.gateway import Gateway
-from app.limits import InputLimits, check_depth, read_body
+from app.headers import request_header
+from app.limits import InputLimits, check_content_type, check_shape, read_body
 from app.metrics import GatewayMetrics
+from app.prepare.chat import ChatPreparer, PreparedChat
+from app.prepare.rank import RANK_HEADER, rank_from_header
 from app.respond.merge import Primed, close_stream, prime
 from sidecar.errors import EngineUnavailable
 from sidecar.types import Delta
 
-RANK_HEADER = "x-data-parallel-rank"
+_BODY_SIZE = "rankgate.body_size"
+_RANK_HEADER = RANK_HEADER.encode()
 
 
 def new_id() -> str:
@@ -37,11 +41,15 @@ def metrics_of(request: Request) -> GatewayMetrics:
 
 
 async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """The body as ``decoder``'s type, after its content type, size and shape are checked;
+    its size in bytes is kept for :func:`body_size`."""
     limits: InputLimits = request.app.state.limits
+    check_content_type(request)
     body = await read_body(request, limits.max_body_bytes)
     if not body:
         raise invalid("the request body is empty; send a JSON object", code="invalid_json")
-    check_depth(body, limits.max_json_depth)
+    await check_shape(body, limits)
+    request.scope[_BODY_SIZE] = len(body)
     try:
         return decoder.decode(body)
     except msgspec.MsgspecError as exc:
@@ -52,15 +60,16 @@ async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> A
         raise invalid(f"the request body is not valid UTF-8: {exc}", code="invalid_json") from None
 
 
+def body_size(request: Request) -> int:
+    """Bytes of the body :func:`decode_body` read: the measure of how much work the request
+    is, whichever fields hold it."""
+    size: int = request.scope.get(_BODY_SIZE, 0)
+    return size
+
+
 def pinned_rank(request: Request) -> int | None:
     """A client may pin a DP rank with the ``x-data-parallel-rank`` header, as with vLLM."""
-    value = request.headers.get(RANK_HEADER)
-    if value is None:
-        return None
-    text = value.strip()
-    if not text.isdigit():
-        raise invalid(f"header '{RANK_HEADER}' must be a non-negative integer", RANK_HEADER)
-    return int(text)
+    return rank_from_header(request_header(request, _RANK_HEADER))
 
 
 async def whole_body(
@@ -80,3 +89,13 @@ async def whole_body(
         return await build(deltas), first
     finally:
         await close_stream(source)
+
+
+async def observe_first(chat: ChatPreparer, prepared: PreparedChat, deltas: Primed) -> None:
+    """:meth:`ChatPreparer.observe` on a primed stream: when the engine's expanded prompt
+    turns the request away, the stream (and with it the engine request) is closed first."""
+    try:
+        chat.observe(prepared, deltas.first)
+    except ApiError:
+        await close_stream(deltas)
+        raise

@@ -13,17 +13,20 @@ from app.schemas.responses import ModelList, ModelObject
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()
+# A bare `rankgate serve` answers with the bundled mock engine; its models say so.
+DEMO_OWNER = "rankgate-demo (bundled mock engine, made-up text; start with --engine for vLLM)"
 
 
 async def _objects(request: Request) -> list[ModelObject]:
     gateway = gateway_of(request)
     created: int = request.app.state.started_at
     max_len = gateway.engine.info.max_model_len
+    owner = DEMO_OWNER if getattr(request.app.state, "demo", False) else "rankgate"
     return [
         ModelObject(
             id=card.id,
             created=created,
-            owned_by="rankgate",
+            owned_by=owner,
             root=card.root,
             parent=card.parent,
             max_model_len=max_len,

@@ -15,19 +15,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.errors import as_api_error
+from app.headers import request_header
 from app.observe import RequestRecord, observer_of
 from app.request_id import HEADER, from_header, is_safe
 from app.respond.sse import EventStreamResponse
 
 Serve = Callable[[Request, RequestRecord], Awaitable[Response]]
 CLIENT_GONE = 499
+_HEADER = HEADER.encode()
 
 
 async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
     observer = observer_of(request)
-    header = request.headers.get(HEADER)
+    header = request_header(request, _HEADER)
     request_id, problem = from_header(header)
     record = observer.begin(endpoint, request_id, header is not None and problem is None)
+    tracing = request.app.state.tracing
+    if tracing is not None:
+        record.trace = tracing.begin(
+            request.method, request.url.path, request.headers, record.request_id
+        )
     try:
         if problem is not None:
             raise problem
@@ -42,7 +49,7 @@ async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
     else:
         if not isinstance(response, EventStreamResponse):
             observer.finish(record, response.status_code)
-    response.headers[HEADER] = record.request_id
+    response.raw_headers.append((_HEADER, record.request_id.encode("latin-1")))
     return response
 
 

@@ -13,10 +13,26 @@ from sidecar.types import Delta
 ROUTE_HEADER = "x-rankgate-route"
 
 
-def route_headers(first: Delta | None) -> dict[str, str] | None:
-    """The header for a response whose primed first delta is ``first`` (None: no header)."""
+_RAW_NAME = ROUTE_HEADER.encode()
+
+
+def route_value(first: Delta | None) -> str | None:
+    """The header's value for a response whose primed first delta is ``first`` (None: no
+    header)."""
     if first is None or first.route is None:
         return None
     if first.index:
-        return {ROUTE_HEADER: f"{first.route};choice={first.index}"}
-    return {ROUTE_HEADER: first.route}
+        return f"{first.route};choice={first.index}"
+    return first.route
+
+
+def route_headers(first: Delta | None) -> dict[str, str] | None:
+    """The header as a mapping (None: no header)."""
+    value = route_value(first)
+    return None if value is None else {ROUTE_HEADER: value}
+
+
+def raw_route_headers(first: Delta | None) -> tuple[tuple[bytes, bytes], ...]:
+    """The header as ASGI raw headers (none, or one)."""
+    value = route_value(first)
+    return () if value is None else ((_RAW_NAME, value.encode("latin-1")),)

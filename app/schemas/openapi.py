@@ -14,7 +14,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.schemas import requests, responses
+from app.schemas import requests, responses, responses_api, tokenize
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
@@ -29,6 +29,15 @@ _TYPES: tuple[Any, ...] = (
     responses.Health,
     responses.Readiness,
     responses.Version,
+    responses_api.ResponsesRequest,
+    *responses_api.INPUT_ITEM_TYPES.values(),
+    responses_api.ResponseObject,
+    responses_api.ResponseStreamEvent,
+    responses_api.ResponseDeleted,
+    tokenize.TokenizeRequest,
+    tokenize.TokenizeResponse,
+    tokenize.DetokenizeRequest,
+    tokenize.DetokenizeResponse,
 )
 
 

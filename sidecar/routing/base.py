@@ -24,14 +24,18 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = ""
     # Why this rank: "best", "pinned", "spill_hot", "spill_capacity", "turn", "least_loaded".
     reason: str = ""
+    # ``prompt_tokens`` counts an image of not yet known size as one token.
+    estimated: bool = False
 
     def header(self) -> str:
-        """The decision as one response-header value, e.g. ``rank=2;cached=512/640;policy=kv``."""
+        """The decision as one response-header value, e.g. ``rank=2;cached=512/640;policy=kv``,
+        with ``;prompt=estimated`` when an image's expanded size was not known yet."""
         rank = "none" if self.rank is None else str(self.rank)
-        return (
+        value = (
             f"rank={rank};cached={self.cached_tokens}/{self.prompt_tokens};"
             f"policy={self.policy};reason={self.reason}"
         )
+        return value + ";prompt=estimated" if self.estimated else value
 
 
 class RouteTicket(Protocol):
@@ -62,6 +66,10 @@ class Router(Protocol):
         ``full`` names the ranks with no admission slot left: a request the client did not
         pin goes to one of the others while any is left.
         """
+
+    def sent(self) -> None:
+        """The request last routed is on its way to the engine: bookkeeping the route put off
+        to keep it off the request's path can be done now."""
 
     async def start(self) -> None:
         """Start background work (KV-event subscribers); a no-op for simple policies."""

@@ -16,16 +16,24 @@ ZMQ reconnects SUB and DEALER sockets on its own. A publisher that connects rath
 (a previous intake still closing, another process) the bind is retried. Such a publisher drops
 what it sends before its connection is up, and nothing tells the subscriber when that is, so
 until its first batch arrives the rank's replay buffer is polled for what was missed.
+
+The thread sleeps in ``poll`` until a socket is readable or its next deadline (a bind retry, a
+replay's end, a probe) falls due, and ``stop`` wakes it through a socket pair. An idle gateway
+spends nothing here once every rank has sent a batch; until then a bind-mode rank is probed
+once a second. Each ``--workers`` process runs one of these.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -58,7 +66,7 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
     replay_timeout: float = 2.0
     max_held_batches: int = 10_000
-    poll_interval: float = 0.05
+    coalesce: float = 0.005
     burst: int = 256
     receive_hwm: int = 100_000
 
@@ -67,8 +75,8 @@ class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("replay_timeout must be positive")
         if self.max_held_batches < 1:
             raise ValueError("max_held_batches must be at least 1")
-        if self.poll_interval <= 0:
-            raise ValueError("poll_interval must be positive")
+        if not 0 <= self.coalesce <= 1:
+            raise ValueError("coalesce must be between 0 and 1 second")
         if self.burst < 1:
             raise ValueError("burst must be at least 1")
         if self.receive_hwm < 1:
@@ -111,12 +119,24 @@ def _block_id(value: Any) -> Hashable:
 
 
 class _Feed:
-    """One rank's subscription and sequence state; touched only by the intake thread."""
+    """One rank's subscription and sequence state; touched only by the intake thread.
 
-    def __init__(self, slot: int, source: KvEventSource) -> None:
+    It keeps the rank's children of the per-batch and per-event metrics: a ``labels()`` call
+    takes the family's lock and builds a key, a few microseconds each, with the GIL held."""
+
+    def __init__(self, slot: int, source: KvEventSource, metrics: RoutingMetrics) -> None:
         self.slot = slot
         self.source = source
         self.label = str(source.rank)
+        self.lag_gauge = metrics.event_lag.labels(self.label)
+        self.batch_counters = {
+            origin: metrics.event_batches.labels(self.label, origin)
+            for origin in ("live", "replay")
+        }
+        self.event_counters = {
+            kind: metrics.events.labels(self.label, kind)
+            for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+        }
         self.sub: zmq.Socket[bytes] | None = None
         self.expected: int | None = None
         self.replay: zmq.Socket[bytes] | None = None
@@ -149,7 +169,7 @@ class KvEventIntake:
         self.block_size = block_size
         self.settings = settings or IntakeSettings()
         self._metrics = metrics
-        self._feeds = [_Feed(slots[source.rank], source) for source in sources]
+        self._feeds = [_Feed(slots[source.rank], source, metrics) for source in sources]
         self._decoder = msgspec.msgpack.Decoder()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -159,6 +179,8 @@ class KvEventIntake:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[bytes], _Feed] = {}
+        # Made by start() and closed by the thread, so an intake never started holds no FDs.
+        self._wake: tuple[socket.socket, socket.socket] | None = None
 
     @property
     def running(self) -> bool:
@@ -167,6 +189,9 @@ class KvEventIntake:
     def start(self) -> None:
         if self._thread is not None:
             return
+        self._wake = socket.socketpair()
+        for end in self._wake:
+            end.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="rankgate-kv-events", daemon=True)
         self._thread.start()
 
@@ -175,8 +200,13 @@ class KvEventIntake:
         return self._ready.wait(timeout)
 
     def stop(self) -> None:
-        """Ask the thread to exit; it closes its sockets within one poll interval."""
+        """Ask the thread to exit; it wakes at once and closes its sockets."""
         self._stop.set()
+        if self._wake is None:
+            return
+        # Closed already when the thread has ended; a full buffer means a wake-up is pending.
+        with contextlib.suppress(OSError):
+            self._wake[1].send(b"\0")
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
@@ -202,14 +232,18 @@ class KvEventIntake:
                 feed.sub = sub
                 self._open(feed)
                 self._watch(sub, feed)
+            assert self._wake is not None
+            self._poller.register(self._wake[0], zmq.POLLIN)
             self._ready.set()
-            timeout_ms = max(1, int(self.settings.poll_interval * 1000))
+            coalesce = self.settings.coalesce
+            turns = self._metrics.event_turns
             while not self._stop.is_set():
-                for socket, _ in self._poller.poll(timeout_ms):
-                    owner = self._by_socket.get(socket)
+                ready = self._poller.poll(self._poll_timeout_ms())
+                for sock, _ in ready:
+                    owner = self._by_socket.get(sock)
                     if owner is None:
                         continue
-                    if socket is owner.sub:
+                    if sock is owner.sub:
                         self._drain_live(owner)
                     else:
                         self._drain_replay(owner)
@@ -226,23 +260,49 @@ class KvEventIntake:
                         self._purge(feed, "replay")
                         feed.expected = None
                         self._release_held(feed)
-                    if (
-                        feed.source.bind
-                        and feed.expected is None
-                        and feed.replay is None
-                        and feed.source.replay_endpoint
-                        and now >= feed.probe_at
-                    ):
+                    if self._awaits_probe(feed) and now >= feed.probe_at:
                         feed.probe_at = now + SYNC_PROBE_S
                         self._begin_replay(feed, 0, probe=True)
+                turns.inc()
+                if ready and coalesce:
+                    # Batches published close together (one per rank per engine step) are
+                    # then drained in one turn: a wake-up of this thread costs more than
+                    # applying a small batch.
+                    self._stop.wait(coalesce)
         except Exception:
             log.exception("KV-event intake stopped on an unexpected error")
         finally:
-            for socket in list(self._by_socket):
-                socket.close(linger=0)
+            for sub in list(self._by_socket):
+                sub.close(linger=0)
             self._by_socket.clear()
             self._context.term()
+            if self._wake is not None:
+                for end in self._wake:
+                    end.close()
             self._ready.set()
+
+    def _poll_timeout_ms(self) -> int | None:
+        """Milliseconds to the nearest deadline of any feed; None (no limit) when none is set."""
+        deadlines = []
+        for feed in self._feeds:
+            if feed.unbound:
+                deadlines.append(feed.bind_at)
+            if feed.replay is not None:
+                deadlines.append(feed.replay_deadline)
+            elif self._awaits_probe(feed):
+                deadlines.append(feed.probe_at)
+        if not deadlines:
+            return None
+        return max(1, math.ceil((min(deadlines) - time.monotonic()) * 1000))
+
+    @staticmethod
+    def _awaits_probe(feed: _Feed) -> bool:
+        return bool(
+            feed.source.bind
+            and feed.expected is None
+            and feed.replay is None
+            and feed.source.replay_endpoint
+        )
 
     def _open(self, feed: _Feed) -> None:
         """Connect to a binding publisher, or bind the address a connecting one dials."""
@@ -275,10 +335,14 @@ class KvEventIntake:
         self._poller.register(socket, zmq.POLLIN)
 
     def _drain_live(self, feed: _Feed) -> None:
-        assert feed.sub is not None
+        sub = feed.sub
+        assert sub is not None
         for _ in range(self.settings.burst):
+            # Asked first, so an emptied socket does not end every drain in a raised Again.
+            if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
-                frames = feed.sub.recv_multipart(zmq.NOBLOCK)
+                frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) < 2 or len(frames[-2]) != 8:
@@ -399,7 +463,7 @@ class KvEventIntake:
             return
         if ts:
             feed.last_lag = max(0.0, time.time() - ts)
-            self._metrics.event_lag.labels(feed.label).set(feed.last_lag)
+            feed.lag_gauge.set(feed.last_lag)
         for event in events:
             try:
                 kind, fields = event_fields(event)
@@ -407,7 +471,7 @@ class KvEventIntake:
             except (MalformedBatch, TypeError, ValueError, KeyError):
                 self._reject(feed, "event")
         feed.batches += 1
-        self._metrics.event_batches.labels(feed.label, origin).inc()
+        feed.batch_counters[origin].inc()
 
     def _apply_event(self, feed: _Feed, kind: str, fields: dict[str, Any]) -> None:
         group = fields.get("group_idx")
@@ -427,7 +491,7 @@ class KvEventIntake:
             log.debug("skipping KV event of unknown type %r from rank %s", kind, feed.label)
             self._reject(feed, "event_type")
             return
-        self._metrics.events.labels(feed.label, kind).inc()
+        feed.event_counters[kind].inc()
 
     def _stored(self, feed: _Feed, fields: dict[str, Any]) -> None:
         blocks = fields.get("block_hashes") or ()

@@ -26,6 +26,12 @@ from sidecar.types import MediaInput
 # image identifiers there.
 SALT_TAG = "rankgate-salt:"
 
+
+def tagged_salt(salt: str) -> str:
+    """The cache salt as sent to vLLM (and as it appears in KV-event ``extra_keys``)."""
+    return SALT_TAG + salt
+
+
 EMPTY_SEED = 0
 
 
@@ -126,6 +132,40 @@ def prompt_keys(
         prompt_tokens=prompt_tokens,
         hashed_tokens=len(hashes) * block_size,
     )
+
+
+def image_runs(
+    positions: Sequence[int], prompt_len: int, expanded: Sequence[int]
+) -> list[tuple[list[int], int]] | None:
+    """The expanded size of each run of adjacent image placeholders, read from vLLM's
+    expanded prompt: ``[(indices of the images in the run, tokens the run became)]``.
+
+    Image ``i``'s placeholder sits at ``positions[i]`` of the prompt as sent (``prompt_len``
+    tokens); vLLM replaces it by a run of the same token id, shifting what follows. Placeholders
+    side by side merge into one run, so their split is not in the ids. None when the runs do not
+    add up to ``expanded`` (a model whose expansion is not one run of its placeholder).
+    """
+    groups: list[tuple[list[int], int]] = []
+    shift = 0
+    index = 0
+    while index < len(positions):
+        members = [index]
+        while index + 1 < len(positions) and positions[index + 1] == positions[index] + 1:
+            index += 1
+            members.append(index)
+        start = positions[members[0]] + shift
+        if not 0 <= start < len(expanded):
+            return None
+        token = expanded[start]
+        end = start
+        while end < len(expanded) and expanded[end] == token:
+            end += 1
+        groups.append((members, end - start))
+        shift += end - start - len(members)
+        index += 1
+    if prompt_len + shift != len(expanded):
+        return None
+    return groups
 
 
 def _expanded_length(tokens: tuple[int, ...], media: Sequence[MediaInput]) -> int:

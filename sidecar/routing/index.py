@@ -200,6 +200,10 @@ class PredictedIndex:
     the seconds between routing a prompt and its blocks' events arriving, so a burst sharing a
     new prefix lands together. Each slot is an LRU bounded by the rank's capacity, refreshed
     on every reuse, and entries older than ``ttl`` seconds count for nothing.
+
+    :meth:`record` only notes the prompt: a long one is a hundred LRU updates, which the
+    router settles (:meth:`settle`) once the request is on its way to the engine
+    (``Router.sent``). Every read settles first, so the next route sees every earlier one.
     """
 
     def __init__(
@@ -216,35 +220,49 @@ class PredictedIndex:
         self._capacity = [max(1, c) for c in capacity]
         self.masks: dict[int, int] = {}
         self._entries: list[OrderedDict[int, float]] = [OrderedDict() for _ in capacity]
+        self._unsettled: list[tuple[int, Sequence[int], float]] = []
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         self.expire()
         return match_masks(hashes, self.slots, self.masks, None).device
 
     def record(self, slot: int, hashes: Sequence[int]) -> None:
+        self._unsettled.append((slot, hashes, self._clock()))
+
+    def settle(self) -> None:
+        unsettled = self._unsettled
+        if unsettled:
+            self._unsettled = []
+            for slot, hashes, now in unsettled:
+                self._settle(slot, hashes, now)
+
+    def expire(self) -> None:
+        self.settle()
         now = self._clock()
+        for slot in range(self.slots):
+            self._expire_slot(slot, now)
+
+    def size(self, slot: int) -> int:
+        self.settle()
+        return len(self._entries[slot])
+
+    def _settle(self, slot: int, hashes: Sequence[int], now: float) -> None:
         expiry = now + self.ttl
         entries = self._entries[slot]
         bit = 1 << slot
         masks = self.masks
         capacity = self._capacity[slot]
+        known = entries.__contains__
+        move = entries.move_to_end
         for key in hashes:
-            if key in entries:
-                entries.move_to_end(key)
+            if known(key):
+                move(key)
             else:
                 if len(entries) >= capacity:
                     self._forget(slot, entries.popitem(last=False)[0])
                 masks[key] = masks.get(key, 0) | bit
             entries[key] = expiry
         self._expire_slot(slot, now)
-
-    def expire(self) -> None:
-        now = self._clock()
-        for slot in range(self.slots):
-            self._expire_slot(slot, now)
-
-    def size(self, slot: int) -> int:
-        return len(self._entries[slot])
 
     def _expire_slot(self, slot: int, now: float) -> None:
         entries = self._entries[slot]

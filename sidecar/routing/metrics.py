@@ -1,20 +1,33 @@
 """Prometheus collectors of the router, one set per registry.
 
-Counters are bumped where things happen (a route, a gap, a replay); sizes that change on every
-event (index blocks, in-flight load) are read only when scraped, through a view the active
-router installs, so the hot paths pay nothing for them.
+What every routed request adds (its count, prompt and cached tokens, the cached share) is a
+:class:`RouteTally` of plain numbers (``sidecar.plain_metrics``). The rest are counters bumped
+where things happen (a gap, a replay). Sizes that change on every event (index blocks,
+in-flight load) are read only when scraped, through a view the active router installs, so the
+hot paths pay nothing for them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import msgspec
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from sidecar.plain_metrics import PlainHistogram, merge_count
+
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 class RankSnapshot(msgspec.Struct, frozen=True, gc=False):
@@ -69,34 +82,98 @@ class _ViewCollector(Collector):
         yield from (index, predicted, in_flight, pending, decode)
 
 
+class RankCounts:
+    """The series one (policy, rank) adds to per routed request: ``[value, created]`` each."""
+
+    __slots__ = ("cached", "prompt", "routed")
+
+    def __init__(self, routed: list[float], prompt: list[float], cached: list[float]) -> None:
+        self.routed = routed
+        self.prompt = prompt
+        self.cached = cached
+
+
+class RouteTally(Collector):
+    """Routed requests by policy and rank, their prompt and cached tokens by rank, and the
+    cached share of each prompt, as plain numbers counted from the event loop."""
+
+    def __init__(self) -> None:
+        # (policy, rank) -> [requests, created]; rank -> [tokens, created]
+        self.routed: dict[tuple[str, str], list[float]] = {}
+        self.prompt: dict[str, list[float]] = {}
+        self.cached: dict[str, list[float]] = {}
+        self.ratio = PlainHistogram(RATIO_BUCKETS)
+
+    def bind(self, policy: str, rank: str) -> RankCounts:
+        """The series of ``(policy, rank)``, shown (at 0) from now on."""
+        now = time.time()
+        return RankCounts(
+            self.routed.setdefault((policy, rank), [0, now]),
+            self.prompt.setdefault(rank, [0, now]),
+            self.cached.setdefault(rank, [0, now]),
+        )
+
+    def count(self, policy: str, rank: str) -> None:
+        """One request routed by a policy that neither chose nor measured a prefix."""
+        series = self.routed.get((policy, rank))
+        if series is None:
+            series = self.routed[(policy, rank)] = [0, time.time()]
+        series[0] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        routed = CounterMetricFamily(
+            "rankgate_routing_requests",
+            "Engine requests routed, by policy and chosen rank ('none' lets vLLM choose).",
+            labels=["policy", "rank"],
+        )
+        # Copied first: a scrape reads these from a thread while the loop may add a series.
+        for (policy, rank), (value, created) in list(self.routed.items()):
+            routed.add_metric([policy, rank], value, created=created)
+        yield routed
+        for series, name, doc in (
+            (self.prompt, "rankgate_routing_prompt_tokens", "Prompt tokens routed, by rank."),
+            (
+                self.cached,
+                "rankgate_routing_cached_tokens",
+                "Prompt tokens the chosen rank was believed to hold already, by rank.",
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["rank"])
+            for rank, (value, created) in list(series.items()):
+                family.add_metric([rank], value, created=created)
+            yield family
+        ratio = HistogramMetricFamily(
+            "rankgate_routing_cached_prefix_ratio",
+            "Share of each routed prompt the chosen rank was believed to hold.",
+        )
+        self.ratio.add_to(ratio, {})
+        yield ratio
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "routed": [[*key, *value] for key, value in list(self.routed.items())],
+            "prompt": [[rank, *value] for rank, value in list(self.prompt.items())],
+            "cached": [[rank, *value] for rank, value in list(self.cached.items())],
+            "ratio": self.ratio.state(),
+        }
+
+    def merge(self, state: dict[str, Any]) -> None:
+        """Add another process's :meth:`state` to this one."""
+        for policy, rank, value, created in state["routed"]:
+            merge_count(self.routed, (policy, rank), value, created)
+        for rank, value, created in state["prompt"]:
+            merge_count(self.prompt, rank, value, created)
+        for rank, value, created in state["cached"]:
+            merge_count(self.cached, rank, value, created)
+        self.ratio.merge(state["ratio"])
+
+
 class RoutingMetrics:
     """All routing collectors; build with :func:`routing_metrics` to share one per registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.routed = Counter(
-            "rankgate_routing_requests",
-            "Engine requests routed, by policy and chosen rank ('none' lets vLLM choose).",
-            ["policy", "rank"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "rankgate_routing_prompt_tokens",
-            "Prompt tokens routed, by rank.",
-            ["rank"],
-            registry=registry,
-        )
-        self.cached_tokens = Counter(
-            "rankgate_routing_cached_tokens",
-            "Prompt tokens the chosen rank was believed to hold already, by rank.",
-            ["rank"],
-            registry=registry,
-        )
-        self.cached_ratio = Histogram(
-            "rankgate_routing_cached_prefix_ratio",
-            "Share of each routed prompt the chosen rank was believed to hold.",
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
-            registry=registry,
-        )
+        self.tally = RouteTally()
+        registry.register(self.tally)
         self.spills = Counter(
             "rankgate_routing_spills",
             "Requests sent away from their best-cached rank by the hot-prefix or capacity guard.",
@@ -107,6 +184,13 @@ class RoutingMetrics:
             "rankgate_kv_event_batches",
             "KV-event batches applied, by rank and origin (live or replay).",
             ["rank", "origin"],
+            registry=registry,
+        )
+        self.event_turns = Counter(
+            "rankgate_kv_event_turns",
+            "Wake-ups of the KV-event thread: live batches, a replay's answer, or a deadline "
+            "(a bind retry, a replay's end). An idle intake has none; under load, batches over "
+            "turns is how many one wake-up serves.",
             registry=registry,
         )
         self.events = Counter(

@@ -6,9 +6,8 @@
 + decode_weight * tokens held by its requests in decode
 + recent_weight * prompt tokens it prefilled lately`` (fading with ``recent_half_life``), and
 takes the cheapest. The last term keeps a prefix that every prompt shares from herding each
-new conversation onto one rank while the others look idle between turns (on real vLLM, DP=2,
-it took the busiest rank's share of prompt tokens from 78% to about half at the same hit
-rate; ``bench/peers_routing.py --real``). Dynamo
+new conversation onto one rank while the others look idle between turns
+(``bench/peers_routing.py --real`` shows the busiest rank's share of prompt tokens). Dynamo
 weighs decode like prefill; here decode counts a tenth, because a running sequence lengthens
 an engine step far less than prefilling its prompt did, and on the mocker's GPU-like timing
 the tenth gave both the best hit rate and the best TTFT (``bench/routing_workload.py``).
@@ -26,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -37,7 +36,7 @@ from sidecar.routing.events import IntakeSettings, KvEventIntake
 from sidecar.routing.hashing import PromptKeys, prompt_keys
 from sidecar.routing.index import OFFLOADED, EventIndex, PredictedIndex
 from sidecar.routing.load import LoadTracker, RecentWork, UntrackedTicket
-from sidecar.routing.metrics import RankSnapshot, RoutingMetrics, routing_metrics
+from sidecar.routing.metrics import RankCounts, RankSnapshot, RoutingMetrics, routing_metrics
 from sidecar.routing.shared_load import SharedLoadBoard
 from sidecar.types import EngineInfo, KvEventSource, PreparedRequest
 
@@ -130,8 +129,8 @@ class EngineRouter:
     name = "engine"
 
     def __init__(self, metrics: RoutingMetrics) -> None:
-        self._metrics = metrics
-        self._counter = metrics.routed.labels("engine", "none")
+        self._tally = metrics.tally
+        self._unpinned = metrics.tally.bind("engine", "none").routed
         self._decision = RouteDecision(rank=None, policy="engine")
 
     def configure(self, info: EngineInfo) -> None:
@@ -141,12 +140,15 @@ class EngineRouter:
         self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
     ) -> RouteTicket:
         if request.rank is not None:
-            self._metrics.routed.labels("engine", str(request.rank)).inc()
+            self._tally.count("engine", str(request.rank))
             return UntrackedTicket(
                 RouteDecision(rank=request.rank, policy="engine", reason="pinned")
             )
-        self._counter.inc()
+        self._unpinned[0] += 1
         return UntrackedTicket(self._decision)
+
+    def sent(self) -> None:
+        return None
 
     async def start(self) -> None:
         return None
@@ -182,7 +184,7 @@ class _CountingRouter:
         self.slots: dict[int, int] = {}
         self.load = LoadTracker(())
         self.shared_load: SharedLoadBoard | None = None
-        self._counters: list[tuple[Any, Any, Any]] = []
+        self._counts: list[RankCounts] = []
         self._rotation = 0
 
     def configure(self, info: EngineInfo) -> None:
@@ -192,18 +194,14 @@ class _CountingRouter:
         self.topology = topology
         self.slots = {rank: slot for slot, rank in enumerate(topology.ranks)}
         self.load = LoadTracker(topology.max_running, self.shared_load, topology.ranks)
-        self._counters = [
-            (
-                self.metrics.routed.labels(self.name, str(rank)),
-                self.metrics.prompt_tokens.labels(str(rank)),
-                self.metrics.cached_tokens.labels(str(rank)),
-            )
-            for rank in topology.ranks
-        ]
+        self._counts = [self.metrics.tally.bind(self.name, str(rank)) for rank in topology.ranks]
         self._on_configure(info, topology)
         self.metrics.set_view(self.snapshot)
 
     def _on_configure(self, info: EngineInfo, topology: _Topology) -> None:
+        return None
+
+    def sent(self) -> None:
         return None
 
     async def start(self) -> None:
@@ -254,6 +252,8 @@ class _CountingRouter:
         prompt_tokens: int,
         cached_tokens: int,
         reason: str,
+        *,
+        estimated: bool = False,
     ) -> RouteTicket:
         topology = self._require_topology()
         decision = RouteDecision(
@@ -262,14 +262,14 @@ class _CountingRouter:
             prompt_tokens=prompt_tokens,
             policy=self.name,
             reason=reason,
+            estimated=estimated,
         )
-        routed, prompt, cached = self._counters[slot]
-        routed.inc()
-        prompt.inc(prompt_tokens)
-        if cached_tokens:
-            cached.inc(cached_tokens)
+        counts = self._counts[slot]
+        counts.routed[0] += 1
+        counts.prompt[0] += prompt_tokens
+        counts.cached[0] += cached_tokens
         if prompt_tokens:
-            self.metrics.cached_ratio.observe(cached_tokens / prompt_tokens)
+            self.metrics.tally.ratio.observe(cached_tokens / prompt_tokens)
         return self.load.admit(slot, decision, prompt_tokens - cached_tokens, prompt_tokens)
 
     def _rotate(self, candidates: list[int]) -> int:
@@ -287,6 +287,11 @@ class _CountingRouter:
                 return [slot for slot in slots if load.has_room(slot)] or slots
         room = [slot for slot in range(load.slots) if load.has_room(slot)]
         return room or list(range(load.slots))
+
+
+def _estimated(request: PreparedRequest) -> bool:
+    """Whether the prompt's length counts some image as one token, its size not yet known."""
+    return any(item.num_tokens is None for item in request.media)
 
 
 def _prompt_tokens(request: PreparedRequest) -> int:
@@ -314,7 +319,7 @@ class RoundRobinRouter(_CountingRouter):
                     slot = self._rotation % count
                     self._rotation += 1
             reason = "turn"
-        return self._admit(slot, _prompt_tokens(request), 0, reason)
+        return self._admit(slot, _prompt_tokens(request), 0, reason, estimated=_estimated(request))
 
 
 class LoadRouter(_CountingRouter):
@@ -330,7 +335,7 @@ class LoadRouter(_CountingRouter):
         prompt_tokens = _prompt_tokens(request)
         slot = self._pinned_slot(request)
         if slot is not None:
-            return self._admit(slot, prompt_tokens, 0, "pinned")
+            return self._admit(slot, prompt_tokens, 0, "pinned", estimated=_estimated(request))
         load = self.load
         wp, wd = self.config.prefill_weight, self.config.decode_weight
         best: list[int] = []
@@ -342,7 +347,9 @@ class LoadRouter(_CountingRouter):
                 best, best_cost = [candidate], cost
             elif cost == best_cost:
                 best.append(candidate)
-        return self._admit(self._rotate(best), prompt_tokens, 0, "least_loaded")
+        return self._admit(
+            self._rotate(best), prompt_tokens, 0, "least_loaded", estimated=_estimated(request)
+        )
 
 
 class KvRouter(_CountingRouter):
@@ -395,6 +402,10 @@ class KvRouter(_CountingRouter):
         else:
             log.info("KV events are off: routing on load and on predictions from past routes")
         self.predicted = PredictedIndex(capacity, ttl) if ttl > 0 else None
+
+    def sent(self) -> None:
+        if self.predicted is not None:
+            self.predicted.settle()
 
     async def start(self) -> None:
         self._started = True
@@ -463,7 +474,7 @@ class KvRouter(_CountingRouter):
             self.predicted.record(slot, hashes)
         if self.recent is not None:
             self.recent.add(slot, prompt_tokens - cached[slot])
-        return self._admit(slot, prompt_tokens, cached[slot], reason)
+        return self._admit(slot, prompt_tokens, cached[slot], reason, estimated=_estimated(request))
 
     def _cached_tokens(self, hashes: list[int], block: int, prompt_tokens: int) -> list[int]:
         slots = self.load.slots
@@ -480,8 +491,9 @@ class KvRouter(_CountingRouter):
                 max(dev, pred) + weight * max(0, tier - max(dev, pred))
                 for dev, tier, pred in zip(found.device, found.any_tier, predicted, strict=True)
             ]
-        # vLLM always computes a prompt's last token, even when every block is cached.
-        limit = prompt_tokens - 1
+        # vLLM always computes a prompt's last token, even when every block is cached, and it
+        # hits whole blocks only: a fully cached prompt recomputes its last block.
+        limit = (prompt_tokens - 1) // block * block
         return [min(int(b * block), limit) for b in blocks]
 
     def _choose(

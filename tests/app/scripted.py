@@ -70,6 +70,7 @@ class ScriptedEngine:
             for choice in range(request.n):
                 text = self.outputs[choice % len(self.outputs)]
                 ids = self._tok.encode(text, False) or [0]
+                sent = ""
                 for position, token in enumerate(ids):
                     if (
                         self.fail_after is not None
@@ -77,9 +78,11 @@ class ScriptedEngine:
                         and position == self.fail_after[0]
                     ):
                         raise self.fail_after[1]
-                    piece = self._tok.decode(ids[: position + 1])[
-                        len(self._tok.decode(ids[:position])) :
-                    ]
+                    # Like vLLM's detokenizer, a token ending inside a character waits.
+                    decoded = self._tok.decode(ids[: position + 1])
+                    piece = ""
+                    if not decoded.endswith("\ufffd") or position == len(ids) - 1:
+                        piece, sent = decoded[len(sent) :], decoded
                     delta = Delta(index=choice, text=piece, token_ids=(token,))
                     if position == 0:
                         delta.prompt_tokens = len(request.prompt_token_ids)

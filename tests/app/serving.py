@@ -10,18 +10,21 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from app.connections import ConnectionLimits, uvicorn_config
 from tests.support.ports import free_port
 
 
 @contextmanager
-def serve_app(app: FastAPI, timeout: float = 60.0) -> Iterator[str]:
+def serve_app(
+    app: FastAPI, timeout: float = 60.0, connections: ConnectionLimits | None = None
+) -> Iterator[str]:
+    """Serve ``app`` with the gateway's own uvicorn configuration (protocol and limits)."""
     port = free_port()
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
+        connections or ConnectionLimits(),
         host="127.0.0.1",
         port=port,
-        loop="uvloop",
-        http="httptools",
         log_level="warning",
         lifespan="on",
     )

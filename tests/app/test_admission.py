@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
 
+from mocker.testing import MockEngineHandle
 from sidecar.admission import GROUP, AdmissionConfig
 from tests.chaos.harness import (
     Gateway,
@@ -216,4 +218,78 @@ def test_slots_return_to_zero_after_a_burst_with_hang_ups_and_retries() -> None:
         metrics = gw.http.get("/metrics").text
         assert 'rankgate_admission_in_use{rank="0"} 0.0' in metrics
         assert 'rankgate_admission_slots{rank="1"} 2.0' in metrics
+        assert_clean(handle, gw)
+
+
+# ---- fan-out (issue 18): capped per request, admitted whole -------------------------------
+
+
+def batch(prompts: list[str], **fields: Any) -> dict[str, Any]:
+    return {"model": chat()["model"], "prompt": prompts, "max_tokens": 4, **fields}
+
+
+def received(handle: MockEngineHandle) -> int:
+    return sum(stats.requests_received for stats in handle.all_stats().values())
+
+
+def test_a_fan_out_past_the_cap_is_refused_before_anything_runs() -> None:
+    with mock_engine(speed=0.0) as handle, gateway(handle, admission=ONE_SLOT) as gw:
+        before = received(handle)
+        started = time.monotonic()
+        # 3 KB that would become 32,768 engine requests.
+        body = batch([f"p{i}" for i in range(256)], n=128)
+        response = gw.http.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "too_many_choices"
+        assert error["param"] == "n"
+        assert "32768" in error["message"]
+        assert time.monotonic() - started < 5
+        assert received(handle) == before
+        assert_clean(handle, gw)
+
+
+def test_a_batch_is_admitted_whole_or_refused_whole() -> None:
+    """Four slots, three held: a two-prompt batch must not run its first prompt in the free
+    slot and then be refused for the second; it waits for both, and is refused with 429
+    having sent nothing when they do not free in time."""
+    config = AdmissionConfig(per_rank=2, queue=4, timeout=1.0)
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=config) as gw:
+        holders = [hold(gw, "hold 1"), hold(gw, "hold 2"), hold(gw, "hold 3")]
+        try:
+            assert sum(used(gw).values()) == 3
+            before = received(handle)
+            refused = gw.http.post("/v1/completions", json=batch(["one", "two"]))
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "gateway_overloaded"
+            assert received(handle) == before
+            assert sum(used(gw).values()) == 3
+        finally:
+            for holder in holders:
+                holder.close()
+        eventually(lambda: sum(used(gw).values()) == 0, 10, "the holders' slots come back")
+        whole = gw.http.post("/v1/completions", json=batch(["one", "two"], n=2))
+        assert whole.status_code == 200, whole.text
+        assert sorted(c["index"] for c in whole.json()["choices"]) == [0, 1, 2, 3]
+        assert_clean(handle, gw)
+
+
+def test_a_waiting_batch_takes_its_slots_together() -> None:
+    config = AdmissionConfig(per_rank=2, queue=4, timeout=20)
+    with mock_engine(speed=1.0) as handle, gateway(handle, admission=config) as gw:
+        holders = [hold(gw, "hold 1"), hold(gw, "hold 2"), hold(gw, "hold 3")]
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=gw.url, timeout=30) as other:
+            before = received(handle)
+            waiting = pool.submit(
+                other.post, "/v1/completions", json=batch(["one", "two", "three"])
+            )
+            time.sleep(0.5)
+            # One slot is free, but the batch needs three: nothing of it has run.
+            assert not waiting.done()
+            assert received(handle) == before
+            for holder in holders:
+                holder.close()
+            response = waiting.result(30)
+        assert response.status_code == 200, response.text
+        assert sorted(c["index"] for c in response.json()["choices"]) == [0, 1, 2]
         assert_clean(handle, gw)

@@ -4,6 +4,10 @@ several keys, keys from flags/env/file, keys kept out of logs, and CORS off unle
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
+from tests.support.ports import free_port
 
 KEYS = ("sk-first-3f9a7c", "sk-second-81d2e0")
 CHAT = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -161,3 +166,61 @@ def test_blank_keys_are_refused() -> None:
         AccessConfig(api_keys=("sk ok",))
     with pytest.raises(ValueError, match="at least one key"):
         ApiKeyAuth(lambda *a: None, AccessConfig())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/docs/oauth2-redirect"])
+def test_the_api_description_needs_a_key_when_keys_are_set(
+    locked: httpx.Client, open_gateway: httpx.Client, path: str
+) -> None:
+    missing = locked.get(path)
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "missing_api_key"
+    assert locked.get(path, headers=bearer(KEYS[0])).status_code == 200
+    # Without keys there is nothing to protect it with.
+    assert open_gateway.get(path).status_code == 200
+
+
+def test_the_api_description_can_be_left_open() -> None:
+    for client in gateway(AccessConfig(api_keys=KEYS, protect_docs=False)):
+        assert client.get("/openapi.json").status_code == 200
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_keys_from_a_file_named_in_the_environment_stay_off_the_command_line(
+    tmp_path: Path,
+) -> None:
+    """The keys reach the gateway without appearing in its argv (what ``ps`` shows)."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-from-file-5e1\n")
+    port = free_port()
+    env = {
+        **os.environ,
+        "RANKGATE_API_KEY": "sk-from-env-7a2",
+        "RANKGATE_API_KEY_FILE": str(key_file),
+        "RANKGATE_PORT": str(port),
+        "RANKGATE_MOCK_SPEED": "0",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        argv = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert b"sk-from" not in argv
+        assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 401
+        for key in ("sk-from-env-7a2", "sk-from-file-5e1"):
+            assert httpx.get(f"{base}/v1/models", headers=bearer(key), timeout=5).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(30)

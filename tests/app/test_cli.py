@@ -43,6 +43,17 @@ def test_bad_env_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
         build_parser()
 
 
+@pytest.mark.parametrize(
+    ("name", "value"), [("RANKGATE_WORKERS", "0"), ("RANKGATE_ACCESS_LOG", "maybe")]
+)
+def test_an_env_value_its_flag_refuses_is_reported(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match=f"{name}='{value}' is invalid"):
+        build_parser()
+
+
 def test_unknown_parser_is_refused() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--reasoning-parser", "nonsense"])

@@ -4,6 +4,7 @@ length; only a batch is limited in how many prompts it holds."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from app.prepare.completion import MAX_PROMPTS
 from tests.support.engines import EngineUnderTest
@@ -49,3 +50,23 @@ def test_a_batch_at_the_limit_is_served(
     body = response.json()
     assert sorted(choice["index"] for choice in body["choices"]) == list(range(MAX_PROMPTS))
     assert body["usage"]["prompt_tokens"] == 2 * MAX_PROMPTS
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param", "message"),
+    [
+        ([5, 6, -1], "prompt[2]", "token ids must be non-negative integers"),
+        ([5, True, 6], "prompt[1]", "token ids must be non-negative integers"),
+        ([5, 6.0], "prompt[1]", "token ids must be non-negative integers"),
+        ([[5], [6, "7"]], "prompt[1][1]", "token ids must be non-negative integers"),
+        ([5, 10**9], "prompt", "token id 1000000000 in 'prompt' is out of vocabulary"),
+    ],
+)
+def test_a_bad_id_in_a_token_prompt_is_named(
+    mock_http: httpx.Client, mock_vllm: EngineUnderTest, prompt: object, param: str, message: str
+) -> None:
+    response = _complete(mock_http, prompt, mock_vllm.served_model_name)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(message)

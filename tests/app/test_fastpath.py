@@ -32,6 +32,11 @@ def test_hot_routes_enter_at_the_outermost_operator_middleware() -> None:
         assert answer.json()["choices"][0]["message"]["content"]
         # The outermost user middleware (client liveness) is where hot requests start.
         assert isinstance(app._hot_entry, ClientWatch)
+        # ... the very instance the framework's stack runs, not a second copy of it.
+        layers: list[Any] = [app.middleware_stack]
+        while len(layers) < 16 and hasattr(layers[-1], "app"):
+            layers.append(layers[-1].app)
+        assert any(layer is app._hot_entry for layer in layers)
         outermost: object = app.user_middleware[0].cls
         assert outermost is ClientWatch
         # Errors on the hot routes are still the API's JSON errors.

@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from prometheus_client import multiprocess
+from prometheus_client import Counter, Gauge, Histogram, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
+import app.metrics as metrics_module
 from tests.support.engines import EngineUnderTest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,16 +196,90 @@ def _samples(text: str) -> tuple[dict[str, str], set[Series], dict[Series, float
     return types, created, values
 
 
+_BUCKETS = (
+    metrics_module.LATENCY_BUCKETS,
+    metrics_module.TTFT_BUCKETS,
+    metrics_module.ITL_BUCKETS,
+    metrics_module.QUEUE_BUCKETS,
+)
+
+
+class _LibraryRecorder:
+    """The same per-request metrics as prometheus-client's own objects: the reference the
+    plain counters are held to."""
+
+    def __init__(self, registry: Any) -> None:
+        name, doc, labels = metrics_module._REQUESTS
+        self.requests = Counter(name, doc, labels, registry=registry)
+        histograms = {
+            attribute: Histogram(name, doc, ("endpoint",), registry=registry, buckets=buckets)
+            for (name, doc, attribute), buckets in zip(
+                metrics_module._HISTOGRAMS, _BUCKETS, strict=True
+            )
+        }
+        tokens = {
+            attribute: Counter(name, doc, ("endpoint",), registry=registry)
+            for name, doc, attribute in metrics_module._TOKEN_COUNTERS
+        }
+        self.in_flight = Gauge(
+            metrics_module._IN_FLIGHT[0],
+            metrics_module._IN_FLIGHT[1],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        # Label children bound once; (status, model) pairs on first use, with a ceiling.
+        self._series = {
+            e: (
+                histograms["latency"].labels(e),
+                histograms["queue"].labels(e),
+                histograms["ttft"].labels(e),
+                histograms["inter_token"].labels(e),
+                tokens["prompt"].labels(e),
+                tokens["completion"].labels(e),
+            )
+            for e in metrics_module.ENDPOINTS
+        }
+        self._requests: dict[tuple[str, int, str], Any] = {}
+
+    def observe(self, done: Any) -> None:
+        key = (done.endpoint, done.status, done.model)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._bind(key)
+        counter.inc()
+        latency, queue, ttft, inter_token, prompt, completion = self._series[done.endpoint]
+        latency.observe(done.total)
+        if done.queue > 0.0:
+            queue.observe(done.queue)
+        if done.ttft > 0.0:
+            ttft.observe(done.ttft)
+        if done.inter_token >= 0.0:
+            inter_token.observe(done.inter_token)
+        if done.prompt_tokens:
+            prompt.inc(done.prompt_tokens)
+        if done.completion_tokens:
+            completion.inc(done.completion_tokens)
+
+    def _bind(self, key: tuple[str, int, str]) -> Any:
+        endpoint, status, model = key
+        if len(self._requests) >= metrics_module.MAX_REQUEST_SERIES:
+            model = "other"
+        counter = self.requests.labels(endpoint, str(status), model)
+        if len(self._requests) < 2 * metrics_module.MAX_REQUEST_SERIES:
+            self._requests[key] = counter
+        return counter
+
+
 def test_one_process_exposes_what_the_client_library_would() -> None:
     """The plain counters behind ``/metrics`` in one process expose the same families, types,
     series, buckets and values as prometheus-client's own objects fed the same requests."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from app.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation, _SharedRecorder
+    from app.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation
 
     ours = GatewayMetrics(CollectorRegistry())
     reference_registry = CollectorRegistry()
-    reference = _SharedRecorder(reference_registry)
+    reference = _LibraryRecorder(reference_registry)
     observations = [
         Observation("chat", 200, "m", 0.5, 0.001, 0.1, 0.01, 7, 5),
         Observation("chat", 200, "m", 0.005, 0.0001, 0.005, 0.0, 3, 1),

@@ -63,10 +63,10 @@ def test_whole_answers_match_the_stream_for_chat_and_completions() -> None:
         assert_clean(handle, gw)
 
 
-def _post(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+def _post(port: int, path: str, body: dict[str, Any], pad: int = 0) -> socket.socket:
     sock = socket.socket()
     sock.connect(("127.0.0.1", port))
-    payload = orjson.dumps(body)
+    payload = orjson.dumps(body) + b" " * pad
     sock.sendall(
         f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n".encode()
@@ -76,20 +76,26 @@ def _post(port: int, path: str, body: dict[str, Any]) -> socket.socket:
 
 
 @pytest.mark.parametrize(
-    ("path", "body"),
+    ("path", "body", "pad"),
     [
-        ("/v1/chat/completions", chat("leaving", max_tokens=5000, ignore_eos=True)),
-        ("/v1/chat/completions", chat("leaving", max_tokens=5000, ignore_eos=True, n=3)),
-        ("/v1/completions", {"model": chat()["model"], "prompt": ["a", "b"], "max_tokens": 5000}),
+        ("/v1/chat/completions", chat("leaving", max_tokens=5000, ignore_eos=True), 0),
+        ("/v1/chat/completions", chat("leaving", max_tokens=5000, ignore_eos=True, n=3), 0),
+        (
+            "/v1/completions",
+            {"model": chat()["model"], "prompt": ["a", "b"], "max_tokens": 5000},
+            0,
+        ),
+        # A body past uvicorn's 64 KiB high-water mark, which pauses reading the connection.
+        ("/v1/chat/completions", chat("leaving", max_tokens=5000, ignore_eos=True), 300_000),
     ],
 )
-def test_a_hang_up_aborts_every_engine_call(path: str, body: dict[str, Any]) -> None:
+def test_a_hang_up_aborts_every_engine_call(path: str, body: dict[str, Any], pad: int) -> None:
     """5,000 tokens at the mocker's GPU-like pace take a minute: only dropping the unary
     calls ends them at once."""
     calls = body.get("n", 1) * len(body.get("prompt", [""]))
     with mock_engine(speed=1.0) as handle, gateway(handle) as gw:
         before = aborts(handle)
-        sock = _post(gw.port, path, body)
+        sock = _post(gw.port, path, body, pad)
         deadline = time.monotonic() + 10
         while sum(s.active for s in handle.all_stats().values()) < calls:
             assert time.monotonic() < deadline, "the engine never received the requests"

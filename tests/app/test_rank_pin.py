@@ -18,7 +18,7 @@ def chat(
     http: httpx.Client,
     engine: EngineUnderTest,
     rid: str,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, Any] | None = None,
     **fields: Any,
 ) -> httpx.Response:
     body = {
@@ -84,8 +84,14 @@ def test_header_and_body_may_both_pin_the_same_rank(
             {"x-data-parallel-rank": "one"},
             {},
             "x-data-parallel-rank",
-            "header 'x-data-parallel-rank' must be a non-negative integer",
+            "header 'x-data-parallel-rank' must be a non-negative decimal integer, got 'one'",
         ),
+        # Digits that str.isdigit() accepts: int() refuses the first, reads the others.
+        *(
+            ({"x-data-parallel-rank": raw}, {}, "x-data-parallel-rank", None)
+            for raw in (b"\xb2", "\u0663".encode(), b"\xef\xbc\x91", b"+1", b"-0", b"1.0")
+        ),
+        ({"x-data-parallel-rank": "9" * 40}, {}, "x-data-parallel-rank", None),
         ({}, {"data_parallel_rank": -1}, "data_parallel_rank", None),
         ({}, {"data_parallel_rank": "1"}, "data_parallel_rank", None),
     ],
@@ -93,7 +99,7 @@ def test_header_and_body_may_both_pin_the_same_rank(
 def test_a_bad_pin_is_a_400_naming_it_and_reaches_no_rank(
     mock_http: httpx.Client,
     mock_vllm: EngineUnderTest,
-    headers: dict[str, str],
+    headers: dict[str, Any],
     fields: dict[str, Any],
     param: str,
     message: str | None,
@@ -112,6 +118,6 @@ def test_a_bad_pin_is_a_400_naming_it_and_reaches_no_rank(
         if message is not None:
             assert error["message"] == message
         else:
-            assert "data_parallel_rank" in error["message"]
+            assert param.replace("-", "_").removeprefix("x_") in error["message"].replace("-", "_")
     for rank in range(mock_vllm.dp_size):
         assert not any(r.startswith(rid) for r, _ in mock_vllm.mock.recent_prompts(rank))

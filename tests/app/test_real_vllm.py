@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -104,3 +105,31 @@ def test_engine_validation_errors_are_400(real_gateway: tuple[Any, EngineUnderTe
     body = info.value.body
     assert isinstance(body, dict)
     assert body["param"] == "max_tokens"
+
+
+def test_responses_streaming_and_not(real_gateway: tuple[Any, EngineUnderTest]) -> None:
+    client, engine = real_gateway
+    kwargs: dict[str, Any] = {
+        "model": engine.served_model_name,
+        "instructions": MESSAGES[0]["content"],
+        "input": MESSAGES[1]["content"],
+        "max_output_tokens": 12,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 12
+    # The same conversation as the chat test: vLLM counts the same prompt.
+    assert whole.usage.input_tokens == _prompt_tokens(engine)
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    assert events[-1].response.usage.model_dump() == whole.usage.model_dump()
+    # /tokenize counts what vLLM counted.
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    counted = httpx.post(f"{root}/tokenize", json={"messages": MESSAGES}, timeout=60).json()
+    assert counted["count"] == whole.usage.input_tokens

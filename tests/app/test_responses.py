@@ -67,7 +67,7 @@ def test_reasoning_and_tool_calls(scripted: ScriptedEngine, scripted_client: Any
     assert len(calls) == 1
     call = calls[0]
     assert call.type == "function"
-    assert call.id.startswith("call_")
+    assert call.id.startswith("chatcmpl-tool-")
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     sent = scripted.requests[-1]
@@ -91,11 +91,14 @@ def test_streamed_tool_calls_match(scripted: ScriptedEngine, scripted_client: An
     calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
     assert reasoning == "The user wants weather."
     assert content == "Let me check.\n"
-    assert len(calls) == 1
-    assert calls[0].index == 0
+    # OpenAI's shape: the call's id and name first, then its arguments.
+    assert [c.index for c in calls] == [0, 0]
+    assert calls[0].id is not None
     assert calls[0].function is not None
     assert calls[0].function.name == "get_weather"
-    assert json.loads(calls[0].function.arguments or "") == {"city": "Paris"}
+    assert calls[1].id is None
+    assert calls[1].function is not None
+    assert json.loads(calls[1].function.arguments or "") == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -110,7 +113,12 @@ def test_without_tools_the_text_stays_content(
 
 
 def test_named_tool_choice_forces_a_call(scripted: ScriptedEngine, scripted_client: Any) -> None:
-    scripted.outputs = ['{"city": "Oslo"}']
+    # The scripted model thinks first (qwen3 reasoning), then calls in hermes format, as the
+    # structural tag of vLLM's strict tool calling holds it to.
+    scripted.outputs = [
+        '<think>Oslo.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+        "</tool_call>"
+    ]
     choice = {"type": "function", "function": {"name": "get_weather"}}
     result = scripted_client.chat.completions.create(
         model=SCRIPTED_MODEL,
@@ -122,14 +130,22 @@ def test_named_tool_choice_forces_a_call(scripted: ScriptedEngine, scripted_clie
     assert calls is not None
     assert calls[0].function.name == "get_weather"
     assert json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+    assert result.choices[0].finish_reason == "stop"
     structured = scripted.requests[-1].structured
     assert structured is not None
-    assert structured.kind == "json"
-    assert json.loads(structured.spec)["required"] == ["city"]
+    assert structured.kind == "structural_tag"
+    tag = json.loads(structured.spec)["format"]
+    assert tag["stop_after_first"] is True
+    assert {t["begin"].split('"name": ')[1] for t in tag["tags"]} == {
+        '"get_weather", "arguments": '
+    }
 
 
 def test_required_tool_choice(scripted: ScriptedEngine, scripted_client: Any) -> None:
-    scripted.outputs = ['[{"name": "get_weather", "parameters": {"city": "Rome"}}]']
+    scripted.outputs = [
+        '<think>Rome.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+        "</tool_call>"
+    ]
     result = scripted_client.chat.completions.create(
         model=SCRIPTED_MODEL,
         messages=USER,

@@ -75,8 +75,8 @@ def test_flags_and_env_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) 
         "0.5",
         "--kv-max-held-batches",
         "100",
-        "--kv-poll-interval",
-        "0.01",
+        "--kv-coalesce",
+        "0",
         "--kv-receive-hwm",
         "5000",
     ]
@@ -94,7 +94,7 @@ def test_flags_and_env_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) 
         intake=IntakeSettings(
             replay_timeout=0.5,
             max_held_batches=100,
-            poll_interval=0.01,
+            coalesce=0.0,
             burst=32,
             receive_hwm=5000,
         ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,12 @@ from transformers import PreTrainedTokenizerFast
 from app.prepare import segments
 from app.prepare.segments import SegmentEncoder, segmentable
 from app.prepare.tokenizer import TextTokenizer
-from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
+from app.server import create_app
+from app.settings import GatewaySettings
+from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
+from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
+from tests.support.large_vocab import added_token_texts, write_large_vocab_tokenizer
 
 _RAW = Tokenizer.from_file(str(TINY_TOKENIZER / "tokenizer.json"))
 _ADDED = [
@@ -106,6 +111,7 @@ def test_the_piece_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
             },
             False,
         ),
+        # Normalized and raw tokens inside each other: cut in two passes, as the library does.
         (
             {
                 "added_tokens": [
@@ -113,7 +119,7 @@ def test_the_piece_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
                     {"id": 2, "content": "<a>b", "normalized": False},
                 ]
             },
-            False,
+            True,
         ),
         ({"pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "first"}}, False),
         ({"pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "always"}}, True),
@@ -182,3 +188,91 @@ def test_chat_prompts_sent_to_the_engine_match_transformers(
         text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         expected = hf.encode(text, add_special_tokens=False)
         assert list(scripted.requests[-1].prompt_token_ids) == expected
+
+
+@pytest.fixture(scope="module")
+def large_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_large_vocab_tokenizer(tmp_path_factory.mktemp("large-vocab"))
+
+
+def test_a_large_added_vocabulary_encodes_every_probe_like_the_library(large_vocab: Path) -> None:
+    ours = TextTokenizer(large_vocab)
+    raw = Tokenizer.from_file(str(large_vocab / "tokenizer.json"))
+    assert ours.segmented
+    texts = segments.probes(added_token_texts())
+    expected = [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)]
+    assert [ours.encode(text, False) for text in texts] == expected
+
+
+_LARGE_TEXTS = st.lists(
+    st.sampled_from(_WORDS + _ADDED + added_token_texts()[:400] + ["ab", "a", "东", "<|"])
+    | st.text(max_size=6),
+    max_size=24,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_LARGE_TEXTS)
+def test_a_large_added_vocabulary_matches_on_any_text(large_vocab: Path, text: str) -> None:
+    ours = _large(large_vocab)
+    raw = _large_raw(large_vocab)
+    assert ours.encode(text, False) == _whole(raw, text)
+    assert ours.encode(text, True) == _whole(raw, text, True)
+
+
+@functools.cache
+def _large(directory: Path) -> TextTokenizer:
+    return TextTokenizer(directory)
+
+
+@functools.cache
+def _large_raw(directory: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def test_a_gateway_on_a_large_added_vocabulary_sends_the_library_ids(large_vocab: Path) -> None:
+    engine = ScriptedEngine(scripted_info(large_vocab), large_vocab)
+    hf: Any = PreTrainedTokenizerFast.from_pretrained(str(large_vocab))
+    content = "Split ab12 and ab123 at word7 <|reserved_40|> 丁丂 东京 and ab1x"
+    messages = [{"role": "user", "content": content}]
+    with (
+        serve_app(create_app(GatewaySettings(), engine=engine)) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        response = client.post(
+            "/v1/chat/completions", json={"model": SCRIPTED_MODEL, "messages": messages}
+        )
+    assert response.status_code == 200, response.text
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = hf.encode(text, add_special_tokens=False)
+    assert list(engine.requests[-1].prompt_token_ids) == expected
+    assert len(expected) < len(hf.encode(text.replace("ab12", "a b12"), add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def overlapping(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Normalized tokens that overlap a raw one, so the two cuts meet at piece edges."""
+    from tokenizers import AddedToken
+
+    directory = tmp_path_factory.mktemp("overlapping")
+    tokenizer = Tokenizer.from_file(str(TINY_TOKENIZER / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<a>b", special=True, normalized=False)])
+    tokenizer.add_tokens([AddedToken(t, normalized=True) for t in ("<a>", "b<c", "zz<a", "c d")])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+_OVERLAPPING = st.lists(
+    st.sampled_from(["<a>b", "<a>", "b<c", "zz<a", "c d", "<", "a", ">", "b", "c", " ", "z"]),
+    max_size=16,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_OVERLAPPING)
+def test_raw_and_normalized_tokens_that_overlap_cut_like_the_library(
+    overlapping: Path, text: str
+) -> None:
+    ours = _large(overlapping)
+    assert ours.segmented
+    assert ours.encode(text, False) == _whole(_large_raw(overlapping), text)

@@ -1,7 +1,8 @@
 """Smoke test of bench/peers_overhead.py: tiny counts, Rankgate alone, against the mocker.
 
 Figures are never asserted (speed is the bench's job, not the suite's); the test proves the
-script starts the engine and the gateway, drives every phase and prints a complete row.
+script starts the engine (at zero latency, then paced) and the gateway, drives every phase
+through h2load and prints a complete row.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def test_overhead_bench_measures_rankgate() -> None:
     done = subprocess.run(
         [
             sys.executable, str(ROOT / "bench" / "peers_overhead.py"), "--peers", "rankgate",
-            "--requests", "40", "--latency-requests", "10", "--concurrency", "4",
-            "--short-tokens", "4", "--long-tokens", "16", "--markdown",
+            "--requests", "40", "--streams", "16", "--latency-requests", "10",
+            "--concurrency", "4", "--short-tokens", "4", "--long-tokens", "16",
+            "--step-ms", "1", "--tokenizer", "tiny", "--rounds", "2", "--markdown",
         ],
         capture_output=True,
         text=True,
@@ -37,9 +39,11 @@ def test_overhead_bench_measures_rankgate() -> None:
     cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert cells[0] == "rankgate --policy kv"
     numbers = [float(cell) for cell in cells[1:]]
-    assert len(numbers) == 7
-    cpu_per_request, _, requests_per_second, p50, p99 = numbers[:5]
+    assert len(numbers) == 10
+    cpu_per_request, requests_per_second, core, load_side, _, paced_core, p50, p99 = numbers[:8]
     assert cpu_per_request > 0
     assert requests_per_second > 0
+    # Utilisations come from /proc's 10 ms ticks: over these few requests they may read 0.
+    assert min(core, load_side, paced_core) >= 0
     assert 0 < p50 <= p99
     assert re.search(r"\| \(engine direct, gRPC\) \|", done.stdout)

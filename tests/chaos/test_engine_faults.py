@@ -200,6 +200,13 @@ def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) ->
                 )
                 assert pinned.status_code == 200
             eventually(lambda: handle.stats(1).kv_next_sequence >= 3, 5, "batches published")
+            # Every batch of the old publisher applied first: one applied late would pass for
+            # a batch of the restarted publisher, before the subscriber has reconnected to it.
+            eventually(
+                lambda: live_batches(gw, 1) >= handle.stats(1).kv_next_sequence,
+                5,
+                "published batches applied",
+            )
             applied = live_batches(gw, 1)
             handle.faults.restart_kv_publisher(1)
             assert handle.stats(1).kv_next_sequence == 0
@@ -230,6 +237,14 @@ def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) ->
         stats = handle.stats(1)
         if fault == "drop":
             assert stats.kv_batches_dropped >= 1
+        # The router learns of the lost batch (or the restart) only from the batches after it,
+        # and applies them a few milliseconds later (the intake lets them gather). An unpinned
+        # request sent before that lands on rank 0, which then caches the prefix too.
+        eventually(
+            lambda: live_batches(gw, 1) >= handle.stats(1).kv_next_sequence,
+            5,
+            "rank 1's batches applied, the lost one included",
+        )
         before = {rank: s.requests_received for rank, s in handle.all_stats().items()}
 
         def routed_to_cache() -> bool:

@@ -336,3 +336,20 @@ def test_gateway_from_the_image_serves_the_mock_engine(
         if gateway.poll() is None:
             gateway.kill()
             gateway.wait(10)
+
+
+def test_the_image_refuses_to_start_without_an_engine(image: BuiltImage) -> None:
+    """`docker run rankgate` with no RANKGATE_ENGINE exits at once naming the variable,
+    instead of serving the bundled demo engine on 0.0.0.0."""
+    runtime = image.dockerfile.stage("runtime")
+    env = _runtime_env(image, {"RANKGATE_PORT": str(free_port())})
+    assert "RANKGATE_ENGINE" not in env
+    entrypoint = runtime.one("ENTRYPOINT").exec_form()
+    assert entrypoint is not None
+    program = shutil.which(entrypoint[0], path=env["PATH"])
+    assert program is not None
+    done = subprocess.run(
+        [program, *entrypoint[1:]], env=env, cwd="/", capture_output=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert b"RANKGATE_ENGINE" in done.stderr, done.stderr[-2000:]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -80,16 +79,6 @@ def gateway_url(pair: Pair, **settings: Any) -> Iterator[str]:
     )
     with serve_app(create_app(config, media=MediaPreparer(MediaConfig()))) as url:
         yield url
-
-
-def wait_for(condition: Callable[[], bool], within: float = 10.0) -> float:
-    """Poll until ``condition()``; returns the seconds it took."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > within:
-            raise AssertionError(f"condition not met within {within} s")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def chat_body(text: str, **fields: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mocker.testing import running_mock_engine
+from sidecar.admission import Admission, AdmissionConfig
 from sidecar.config import SidecarConfig
 from sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
 from sidecar.engine import Sidecar
@@ -38,7 +39,7 @@ from tests.disagg.conftest import Pair, engine_config, engine_pair
 SLOW_PREFILL = {"prefill_seconds_per_token": 10e-3}
 
 
-def sidecar(endpoint: str, **config: Any) -> Sidecar:
+def sidecar(endpoint: str, admission: Admission | None = None, **config: Any) -> Sidecar:
     settings: dict[str, Any] = {
         "endpoint": endpoint,
         "startup_timeout": 10.0,
@@ -47,7 +48,7 @@ def sidecar(endpoint: str, **config: Any) -> Sidecar:
     }
     settings.update(config)
     router = build_router(routing_for(RoutingConfig()), CollectorRegistry())
-    return Sidecar(SidecarConfig(**settings), router)
+    return Sidecar(SidecarConfig(**settings), router, admission)
 
 
 @asynccontextmanager
@@ -98,6 +99,21 @@ def assert_clean(pair: Pair, stranded: int = 0) -> None:
     assert (prefill.leaked, decode.leaked) == (0, 0)
     assert prefill.stranded_transfers == 0
     assert decode.stranded_transfers == stranded
+    # A stranded transfer leaves its prefill's KV held until the lease ends.
+    assert (prefill.held_transfers, prefill.leases_expired) == (stranded, 0)
+
+
+async def abort_lost(request_ids: object) -> None:
+    """A ``Sidecar.abort`` whose Abort lands after the engine finished the prefill."""
+
+
+async def leave_during_prefill(engine: DisaggregatedEngine, pair: Pair, rid: str) -> None:
+    """A client that leaves while the prefill of its 200-token prompt runs."""
+    task = asyncio.ensure_future(consume(engine.generate(prepared(rid, 200)), []))
+    await eventually(lambda: pair.totals("prefill").running == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def test_cancel_during_prefill_drops_it_at_once_and_sends_no_decode() -> None:
@@ -116,6 +132,85 @@ async def test_cancel_during_prefill_drops_it_at_once_and_sends_no_decode() -> N
             assert pair.totals("decode").requests_received == 0
             assert deltas == []
             assert_clean(pair)
+
+
+async def test_a_prefill_that_finishes_as_its_client_leaves_has_its_kv_read_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Abort of a prefill can land after the engine finished it: the engine then holds
+    the prompt's KV for a decode. Here every Abort is lost on the way, so the prefill always
+    runs to its end; the decode side must read the KV (one token) so that the prefill side
+    frees it now, not when its lease ends."""
+    with engine_pair(prefill=SLOW_PREFILL) as pair:
+        prefill = sidecar(pair.prefill.target)
+        monkeypatch.setattr(prefill, "abort", abort_lost)
+        engine = DisaggregatedEngine(prefill, sidecar(pair.decode.target))
+        await engine.start()
+        try:
+            await leave_during_prefill(engine, pair, "late")
+            await eventually(lambda: pair.totals("prefill").transfers_released == 1)
+            await eventually(pair.idle)
+            served, decode = pair.totals("prefill"), pair.totals("decode")
+            assert (served.requests_served, served.aborts) == (1, 0)
+            assert decode.requests_received == 1
+            assert decode.generated_tokens <= 1
+            assert_clean(pair)
+        finally:
+            await engine.close()
+
+
+async def test_a_finished_prefill_whose_kv_cannot_be_handed_off_is_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decode side is gone when the late prefill ends: its KV waits out the lease, the
+    gateway says so, and nothing else fails (the client's cancellation stays a cancellation)."""
+
+    def gone(request: PreparedRequest) -> None:
+        raise EngineUnavailable("decode engine: not serving")
+
+    with engine_pair(prefill=SLOW_PREFILL) as pair:
+        prefill, decode = sidecar(pair.prefill.target), sidecar(pair.decode.target)
+        monkeypatch.setattr(prefill, "abort", abort_lost)
+        monkeypatch.setattr(decode, "hand_off_kv", gone)
+        engine = DisaggregatedEngine(prefill, decode)
+        await engine.start()
+        try:
+            await leave_during_prefill(engine, pair, "gone")
+            await eventually(lambda: "could not hand off the KV of gone" in caplog.text)
+            assert pair.totals("prefill").held_transfers == 1
+            assert pair.totals("decode").requests_received == 0
+        finally:
+            await engine.close()
+
+
+async def test_a_prefill_cancelled_while_it_waits_for_a_slot_is_never_sent() -> None:
+    with engine_pair(prefill=SLOW_PREFILL) as pair:
+        one_slot = Admission(AdmissionConfig(per_rank=1))
+        engine = DisaggregatedEngine(
+            sidecar(pair.prefill.target, admission=one_slot), sidecar(pair.decode.target)
+        )
+        await engine.start()
+        try:
+            # One slot per rank: two prefills fill both, the third waits.
+            running = [
+                asyncio.ensure_future(consume(engine.generate(prepared(rid, 200)), []))
+                for rid in ("a", "b")
+            ]
+            await eventually(lambda: pair.totals("prefill").running == 2)
+            waiting = asyncio.ensure_future(consume(engine.generate(prepared("c", 200)), []))
+            await eventually(lambda: one_slot.waiting == 1)
+            for task in (waiting, *running):
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await eventually(pair.idle)
+            prefill = pair.totals("prefill")
+            assert (prefill.requests_received, prefill.aborts) == (2, 2)
+            assert pair.totals("decode").requests_received == 0
+            assert one_slot.in_use == 0
+            assert_clean(pair)
+        finally:
+            await engine.close()
 
 
 async def test_cancel_after_decode_submission_drains_until_the_first_token() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sidecar.admission import AdmissionConfig
 from tests.disagg.conftest import Pair, chat_body, engine_pair, gateway_url
 
 # A long prompt prefills for about 2 s; a decode waits 1 s for its KV, then steps every 50 ms.
@@ -115,3 +116,48 @@ async def test_hang_up_after_the_first_token(pair: Pair, url: str) -> None:
     assert decode.aborts == decode_before.aborts + 1
     assert decode.generated_tokens - decode_before.generated_tokens < 100
     assert_clean(pair)
+
+
+async def read_all(url: str, body: dict[str, Any]) -> None:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        async for _ in response.aiter_lines():
+            pass
+
+
+LONG = {"max_tokens": 400}
+
+
+async def test_hang_up_while_the_decode_waits_for_admission() -> None:
+    """The prefill side holds the KV for a decode that no slot lets go: handed off at once
+    (one token, outside admission), it is read and freed long before the KV lease ends."""
+    with (
+        engine_pair(**SLOW) as pair,
+        gateway_url(pair, admission=AdmissionConfig(per_rank=1)) as url,
+    ):
+        blockers = [
+            asyncio.ensure_future(
+                read_all(url, chat_body(f"blocker-{i}", stream=True, max_tokens=400))
+            )
+            for i in range(2)
+        ]
+        await until(lambda: pair.totals("decode").running == 2)
+        before = pair.totals("prefill")
+        assert before.held_transfers == 0
+        body = chat_body("waits-for-a-slot", stream=True, max_tokens=5)
+        await hang_up_when(url, body, lambda: pair.totals("prefill").held_transfers == 1)
+        await until(
+            lambda: pair.totals("prefill").transfers_released == before.transfers_released + 1,
+            within=10.0,  # well inside the 30 s lease
+        )
+        prefill = pair.totals("prefill")
+        assert (prefill.held_transfers, prefill.leases_expired) == (0, 0)
+        # The blockers still run (the one-token hand-off may not have ended yet).
+        assert pair.totals("decode").running >= 2
+        for task in blockers:
+            task.cancel()
+        await asyncio.gather(*blockers, return_exceptions=True)
+        await until(pair.idle)
+        assert_clean(pair)

@@ -167,3 +167,37 @@ def test_max_running_requests_bounds_the_batch() -> None:
             for stream in streams:
                 stream.cancel()
             c.close()
+
+
+def test_paced_steps_give_every_stream_one_token_per_step() -> None:
+    # 30 ms steps: ten streams over both ranks, ten tokens each, all in the same ~10 steps.
+    with engine(paced_step_seconds=0.03, speed=0.0) as handle:
+        started = time.perf_counter()
+        results: list[list[float]] = []
+        together = threading.Barrier(10)
+
+        def worker(seed: int) -> None:
+            c = Client(handle.target)
+            try:
+                together.wait(10)
+                stream = c.inference.GenerateStream(
+                    request(prompt(seed, 8), max_new_tokens=10),
+                    metadata=(("x-data-parallel-rank", str(seed % 2)),),
+                )
+                arrivals = [time.perf_counter() - started for message in stream]
+                results.append(arrivals[1:])
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(results) == 10
+        steps = handle.call(lambda: sum(handle.engine(r).counters.steps for r in (0, 1)))
+        # Each rank ran about ten steps for its five streams, not fifty.
+        assert 20 <= steps <= 30
+        for arrivals in results:
+            assert len(arrivals) == 10
+            assert 0.02 < (arrivals[-1] - arrivals[0]) / 9 < 0.06

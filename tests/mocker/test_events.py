@@ -109,8 +109,11 @@ def test_images_expand_and_identify_their_blocks(client: Client, events: Events)
     (event,) = [
         e for e in events.events(1, "BlockStored") if e["token_ids"][:25] == [IMAGE_TOKEN] * 25
     ]
-    assert event["extra_keys"][0] == [uuid]
-    assert event["extra_keys"][1] == [uuid]
+    # vLLM 0.32's layout: [[id, offset of the image's start from the block's start]], the
+    # offset negative in blocks the image began before.
+    block = event["block_size"]
+    assert event["extra_keys"][0] == [[uuid, 0]]
+    assert event["extra_keys"][1] == [[uuid, -block]]
     assert event["extra_keys"][2] is None
 
 

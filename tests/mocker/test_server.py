@@ -167,8 +167,11 @@ def test_prefill_answer_carries_kv_transfer_params(client: Client) -> None:
     params = messages[-1].outputs.finish_info.kv_transfer_params
     assert params["do_remote_prefill"] is True
     assert params["remote_engine_id"].endswith("-dp1")
-    assert isinstance(params["remote_port"], str)
-    assert len(params["remote_block_ids"]) >= 40 // 16
+    # vLLM's NIXL fields and JSON types: numbers stay numbers (doubles in a Struct).
+    assert isinstance(params["remote_port"], float)
+    assert params["remote_request_id"]
+    assert {"tp_size", "dcp_size", "pp_size", "remote_num_tokens"} <= set(params)
+    assert len(params["remote_block_ids"][0]) >= 40 // 16
 
 
 def test_decode_cancelled_before_its_first_token_strands_the_transfer() -> None:

@@ -1,5 +1,6 @@
 """The prefill and decode roles over gRPC: signed connector params, the checks a decode role
-makes on them, the simulated KV transfer and the stranded-transfer counter."""
+makes on them, the simulated KV transfer, the prefill side's lease on the KV it holds for a
+decode engine, and the stranded-transfer counter."""
 
 from __future__ import annotations
 
@@ -65,7 +66,49 @@ def test_prefill_issues_signed_params(prefill: MockEngineHandle) -> None:
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
     assert len(params[DIGEST_KEY]) == 32
-    assert len(params["remote_block_ids"]) == 3
+    # vLLM 0.32's layout: block ids per KV group, the prompt length, the side channel's port.
+    assert [len(group) for group in params["remote_block_ids"]] == [3]
+    assert params["remote_num_tokens"] == 40
+    assert isinstance(params["remote_port"], int)
+    assert params["remote_port"] > 0
+
+
+def wait_until(condition: Any, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def held(handle: MockEngineHandle) -> int:
+    return sum(handle.stats(rank).held_transfers for rank in handle.ranks)
+
+
+def test_prefill_holds_the_kv_until_the_decode_reads_it(
+    prefill: MockEngineHandle, decode: MockEngineHandle
+) -> None:
+    ids = prompt(11, 40)
+    before = sum(prefill.stats(rank).transfers_released for rank in prefill.ranks)
+    params = issued(prefill, ids)
+    assert held(prefill) >= 1
+    c = Client(decode.target)
+    try:
+        c.stream(decode_request(ids, params))
+    finally:
+        c.close()
+    wait_until(
+        lambda: sum(prefill.stats(rank).transfers_released for rank in prefill.ranks) == before + 1
+    )
+
+
+def test_unread_kv_is_freed_when_its_lease_expires() -> None:
+    with engine(role="prefill", kv_lease_seconds=0.2) as handle:
+        issued(handle, prompt(12, 40))
+        assert held(handle) == 1
+        wait_until(lambda: held(handle) == 0)
+        stats = [handle.stats(rank) for rank in handle.ranks]
+        assert sum(s.leases_expired for s in stats) == 1
+        assert sum(s.transfers_released for s in stats) == 0
 
 
 def test_prefill_role_takes_only_remote_decode_requests(prefill: MockEngineHandle) -> None:
@@ -74,7 +117,7 @@ def test_prefill_role_takes_only_remote_decode_requests(prefill: MockEngineHandl
     assert "cannot take a remote prefill" in refused(prefill, req)
 
 
-def test_decode_accepts_params_forwarded_with_numbers_as_strings(
+def test_decode_accepts_params_forwarded_with_their_json_types(
     prefill: MockEngineHandle, decode: MockEngineHandle
 ) -> None:
     ids = prompt(3, 40)
@@ -96,7 +139,7 @@ def test_decode_accepts_params_forwarded_with_numbers_as_strings(
     ("change", "message"),
     [
         (lambda p: p.pop(DIGEST_KEY), "carry no transfer_digest"),
-        (lambda p: p.update(remote_block_ids=[1, 2, 3]), "do not match a prefill"),
+        (lambda p: p.update(remote_block_ids=[[1, 2, 3]]), "do not match a prefill"),
         (lambda p: p.update(remote_host="10.9.9.9"), "do not match a prefill"),
     ],
 )
@@ -119,15 +162,22 @@ def test_decode_refuses_another_prompt_or_salt(
     assert "do not match a prefill" in refused(decode, salted)
 
 
-def test_decode_refuses_a_port_that_cannot_become_a_url(
-    prefill: MockEngineHandle, decode: MockEngineHandle
+@pytest.mark.parametrize("field", ["remote_port", "dcp_size", "tp_size", "remote_num_tokens"])
+def test_decode_fails_numbers_sent_as_strings(
+    prefill: MockEngineHandle, decode: MockEngineHandle, field: str
 ) -> None:
+    """vLLM's NIXL handshake compares these (``remote_dcp_size > 1``): strings raise there."""
     ids = prompt(6, 40)
     params = issued(prefill, ids)
-    req = request(ids, max_new_tokens=3)
-    req.kv.kv_transfer_params.update(params)  # numbers stay doubles: remote_port 5601.0
-    req.kv.kv_transfer_params.update({"remote_port": float(params["remote_port"])})
-    assert "cannot be formatted into a URL" in refused(decode, req)
+    params[field] = str(params[field])
+    c = Client(decode.target)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            c.stream(decode_request(ids, params))
+    finally:
+        c.close()
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert field in (caught.value.details() or "")
 
 
 def test_decode_role_needs_a_remote_prefill(decode: MockEngineHandle) -> None:

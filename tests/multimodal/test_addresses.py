@@ -29,10 +29,18 @@ from tests.multimodal.conftest import PUBLIC_IP, table_resolver
         ("::ffff:127.0.0.1", "loopback"),
         ("64:ff9b::a9fe:a9fe", "link-local"),
         ("2002:7f00:1::", "loopback"),
+        # ipaddress calls these global: IPv4-compatible (::/96) and site-local (fec0::/10).
+        ("::127.0.0.1", "IPv4-compatible"),
+        ("::8.8.8.8", "IPv4-compatible"),
+        ("::a9fe:a9fe", "IPv4-compatible"),
+        ("fec0::1", "site-local"),
+        ("feff:ffff::1", "site-local"),
+        ("64:ff9b:1::a9fe:a9fe", "link-local"),
+        ("[::]", "unspecified"),
     ],
 )
 async def test_non_public_literals_are_refused(host: str, kind: str) -> None:
-    with pytest.raises(ImageRefused, match=f"a {kind} address; fetching it is not allowed"):
+    with pytest.raises(ImageRefused, match=f"an? {kind} address; fetching it is not allowed"):
         await AddressPolicy().resolve_allowed(host, 80)
 
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import gzip
+import threading
+import zlib
+from collections.abc import AsyncIterator, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import brotli  # type: ignore[import-untyped]
 import httpx
 import pytest
 import respx
 
+from multimodal import MediaConfig, MediaPreparer
 from multimodal.errors import ImageRefused
 from multimodal.fetch import ImageFetcher
 from tests.multimodal.conftest import MakePreparer
@@ -203,3 +209,80 @@ async def test_dns_rebinding_after_the_check_is_refused_at_connect(
         "host rebind.example.com resolves to 127.0.0.1, a loopback address; "
         "fetching it is not allowed"
     )
+
+
+class EncodedServer:
+    """A loopback server answering every GET with one body and a Content-Encoding header."""
+
+    def __init__(self, body: bytes, encoding: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "image/png")
+                self.send_header("content-encoding", encoding)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}/bomb.png"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "compress"),
+    [
+        ("gzip", lambda raw: gzip.compress(raw)),
+        ("gzip, gzip", lambda raw: gzip.compress(gzip.compress(raw))),
+        ("deflate", zlib.compress),
+        ("br", lambda raw: brotli.compress(raw, quality=5)),
+    ],
+)
+async def test_compressed_bodies_are_refused_never_inflated(
+    encoding: str, compress: Callable[[bytes], bytes]
+) -> None:
+    # 256 MiB of zeros in a few hundred KB (or bytes); it must not be inflated to find out.
+    server = EncodedServer(compress(b"\0" * (256 << 20)), encoding)
+    preparer = MediaPreparer(MediaConfig(allowed_networks=("127.0.0.0/8",)))
+    try:
+        reason = await refused(preparer.fetcher, server.url)
+    finally:
+        await preparer.aclose()
+        server.close()
+    assert f"Content-Encoding {encoding!r}" in reason
+    assert "uncompressed" in reason
+
+
+@respx.mock
+async def test_identity_encoding_is_read_as_sent(make_preparer: MakePreparer) -> None:
+    respx.get(URL).respond(200, content=BODY, headers={"content-encoding": "identity"})
+    assert await fetcher(make_preparer).fetch(URL) == BODY
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://[::1", "http://[1::2::3]/a", "http://[v1.x]/", "http://\uff11\uff12\uff17.0.0.1/",
+        "http://0177.0.0.01/a.png", "http://\u2488/", "http://xn--/", "http://a..b/", "http://./",
+        "http://1.2.3.4:99999/", "http://\x00/", "http://" + "a" * 300 + ".com/", "http://\ud800/",
+        "ftp://example.com/a.png", "http:///a",
+    ],
+)  # fmt: skip
+async def test_urls_httpx_or_idna_refuse_are_refusals(
+    make_preparer: MakePreparer, url: str
+) -> None:
+    assert await refused(fetcher(make_preparer), url)
+
+
+@respx.mock
+async def test_a_redirect_to_a_malformed_location_is_a_refusal(make_preparer: MakePreparer) -> None:
+    respx.get(URL).respond(302, headers={"location": "http://[::1"})
+    assert "Invalid" in await refused(fetcher(make_preparer))

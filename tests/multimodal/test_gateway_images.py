@@ -20,7 +20,7 @@ import pytest
 from app.server import create_app
 from app.settings import GatewaySettings
 from multimodal import MediaConfig, MediaPreparer
-from multimodal.identity import pixel_identity, url_identity
+from multimodal.identity import content_identity, url_identity
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conformance.helpers import kv_listener
@@ -126,11 +126,16 @@ def cached_tokens(engine: EngineUnderTest) -> int:
     return int(engine.mock.stats(RANK).cached_tokens)
 
 
-def test_two_images_reach_the_engine_and_reencodings_hit_its_prefix_cache(
+def png_id(picture: Any) -> str:
+    """The id the gateway gives ``picture`` sent as a PNG (``encode`` is deterministic)."""
+    return content_identity(encode(picture, "PNG"))
+
+
+def test_two_images_reach_the_engine_and_resent_bytes_hit_its_prefix_cache(
     gateway: httpx.Client, image_server: ImageServer, mock_vllm: EngineUnderTest
 ) -> None:
     first, second = noise(300, 200, seed=21), noise(150, 150, seed=22)
-    first_id, second_id = pixel_identity(first), pixel_identity(second)
+    first_id, second_id = png_id(first), png_id(second)
     first_tokens, second_tokens = mock_tokens(300, 200), mock_tokens(150, 150)
 
     text_only = chat(gateway, [])
@@ -151,7 +156,11 @@ def test_two_images_reach_the_engine_and_reencodings_hit_its_prefix_cache(
             for event in found:
                 if event.kind == "BlockStored" and event.extra_keys:
                     for block_keys in event.extra_keys:
-                        keys.update(k for k in block_keys or () if isinstance(k, str))
+                        keys.update(
+                            k[0] if isinstance(k, list) else k
+                            for k in block_keys or ()
+                            if isinstance(k, (str, list))
+                        )
             return keys
 
         seen = events.wait_for(lambda found: {first_id, second_id} <= named(found))
@@ -162,11 +171,10 @@ def test_two_images_reach_the_engine_and_reencodings_hit_its_prefix_cache(
     assert image_server.hits["/first.png"] == 1
     first_pass_cached = cached_tokens(mock_vllm) - before
 
-    # The same pictures as lossless WebP: a new URL and a new data URI, the same identities.
-    url_webp = image_server.put("/first.webp", encode(first, "WEBP", lossless=True), "image/webp")
-    again_uri = data_uri(encode(second, "WEBP", lossless=True), "image/webp")
+    # The same bytes again (the same URL, the same data URI): the same ids, all blocks cached.
+    again_uri = data_uri(encode(second, "PNG"))
     before = cached_tokens(mock_vllm)
-    response = chat(gateway, [url_webp, again_uri])
+    response = chat(gateway, [url_png, again_uri])
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
     hit = cached_tokens(mock_vllm) - before
@@ -175,24 +183,122 @@ def test_two_images_reach_the_engine_and_reencodings_hit_its_prefix_cache(
     assert hit > first_pass_cached
     assert hit >= text_tokens - block + first_tokens + second_tokens
 
-    # Same sizes (so the same token ids) but other pixels in the second image: its blocks miss.
-    other = data_uri(encode(noise(150, 150, seed=99), "PNG"))
+    # The same pictures re-encoded as lossless WebP are other files, so other ids: their
+    # image blocks miss (ids name the bytes, as vLLM's own do).
+    url_webp = image_server.put("/first.webp", encode(first, "WEBP", lossless=True), "image/webp")
     before = cached_tokens(mock_vllm)
-    response = chat(gateway, [url_webp, other])
+    response = chat(gateway, [url_webp, again_uri])
     assert response.status_code == 200, response.text
     partial = cached_tokens(mock_vllm) - before
     assert partial < hit
-    assert partial <= text_tokens + first_tokens
+    assert partial <= text_tokens
 
 
 def test_the_gateway_learns_image_token_counts_from_the_engine(
     gateway: httpx.Client, preparer: MediaPreparer
 ) -> None:
     picture = noise(100, 60, seed=31)
-    assert preparer.learned.get(pixel_identity(picture)) is None
+    assert preparer.learned.get(png_id(picture)) is None
     response = chat(gateway, [data_uri(encode(picture, "PNG"))])
     assert response.status_code == 200, response.text
-    assert preparer.learned.get(pixel_identity(picture)) == mock_tokens(100, 60)
+    assert preparer.learned.get(png_id(picture)) == mock_tokens(100, 60)
+
+
+def chat_body(images: list[str], **fields: Any) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": QUESTION}]
+    content += [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    body: dict[str, Any] = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    body.update(fields)
+    return body
+
+
+def test_the_context_check_counts_each_image_at_its_expanded_size(
+    gateway: httpx.Client, mock_vllm: EngineUnderTest
+) -> None:
+    """vLLM answers 400 when max_tokens does not fit beside the expanded prompt; so does the
+    gateway, from the image's known size, or from the engine's count for a new image."""
+    limit = 512  # the conformance mock's max_model_len
+    picture = noise(280, 280, seed=41)  # 100 tokens on the mock
+    url = data_uri(encode(picture, "PNG"))
+    first = gateway.post("/v1/chat/completions", json=chat_body([url]))
+    assert first.status_code == 200, first.text
+    expanded = first.json()["usage"]["prompt_tokens"]
+    fits = limit - expanded
+    assert gateway.post("/v1/chat/completions", json=chat_body([url], max_tokens=fits)).is_success
+    known = gateway.post("/v1/chat/completions", json=chat_body([url], max_tokens=fits + 1))
+    assert known.status_code == 400, known.text
+    assert known.json()["error"]["code"] == "context_length_exceeded"
+    assert f"your request has {expanded} input tokens" in known.json()["error"]["message"]
+    # A new image of the same size: its count is only known once the engine has expanded it.
+    for stream, seed in ((False, 42), (True, 43)):
+        fresh = data_uri(encode(noise(280, 280, seed=seed), "PNG"))
+        body = chat_body([fresh], max_tokens=fits + 1, stream=stream)
+        refused = gateway.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    mock_vllm.mock.wait_idle()
+    assert all(mock_vllm.mock.stats(rank).active == 0 for rank in mock_vllm.mock.ranks)
+
+
+def interleaved_body(parts: list[str | bytes]) -> dict[str, Any]:
+    """A chat body whose content alternates text (str) and PNG images (bytes) as given."""
+    content = [
+        {"type": "text", "text": part}
+        if isinstance(part, str)
+        else {"type": "image_url", "image_url": {"url": data_uri(part)}}
+        for part in parts
+    ]
+    return {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+
+
+def test_a_request_with_several_new_images_learns_each_of_them(
+    gateway: httpx.Client, preparer: MediaPreparer
+) -> None:
+    """Each placeholder's run in vLLM's expanded prompt is one image's count; side-by-side
+    placeholders merge into one run, which splits evenly among new images of one size."""
+    first, second = noise(56, 56, seed=51), noise(140, 84, seed=52)
+    third, fourth = noise(84, 84, seed=53), noise(84, 84, seed=54)
+    body = interleaved_body(
+        ["Compare", encode(first, "PNG"), "with", encode(second, "PNG"), "and then",
+         encode(third, "PNG"), encode(fourth, "PNG")]
+    )  # fmt: skip
+    response = gateway.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-rankgate-route"].endswith(";prompt=estimated")
+    for picture in (first, second, third, fourth):
+        assert preparer.learned.get(png_id(picture)) == mock_tokens(*picture.size)
+    # Every size known now: the repeat is routed on its image blocks, its count exact.
+    again = gateway.post("/v1/chat/completions", json=body)
+    route = again.headers["x-rankgate-route"]
+    assert "estimated" not in route
+    cached, total = route.split("cached=")[1].split(";")[0].split("/")
+    assert int(total) == again.json()["usage"]["prompt_tokens"]
+    assert int(cached) > mock_tokens(56, 56) + mock_tokens(140, 84)
+
+
+def test_a_new_image_of_a_learnt_size_is_counted_exactly(
+    gateway: httpx.Client, preparer: MediaPreparer
+) -> None:
+    """An unknown model's count depends on the image size alone, so it carries over."""
+    learnt, new = noise(168, 112, seed=61), noise(168, 112, seed=62)
+    assert gateway.post("/v1/chat/completions", json=interleaved_body([encode(learnt, "PNG")]))
+    response = gateway.post("/v1/chat/completions", json=interleaved_body([encode(new, "PNG")]))
+    route = response.headers["x-rankgate-route"]
+    assert "estimated" not in route
+    assert (
+        int(route.split("cached=")[1].split(";")[0].split("/")[1])
+        == (response.json()["usage"]["prompt_tokens"])
+    )
 
 
 @pytest.mark.parametrize(
@@ -272,10 +378,11 @@ def test_passthrough_mode_hands_urls_to_the_engine(
         expected = url_identity(url)
         events.wait_for(
             lambda found: any(
-                expected in (keys or ())
+                [expected, offset] in (keys or ())
                 for event in found
                 if event.kind == "BlockStored"
                 for keys in event.extra_keys or ()
+                for offset in range(-64, 64)
             )
         )
     # The engine fetched the image itself; the gateway never did.

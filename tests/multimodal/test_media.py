@@ -7,7 +7,7 @@ import pytest
 import respx
 
 from multimodal import ImageError, ImageRef
-from multimodal.identity import pixel_identity, url_identity
+from multimodal.identity import content_identity, url_identity
 from tests.multimodal.conftest import MakePreparer
 from tests.multimodal.pictures import data_uri, encode, noise, png_claiming
 
@@ -30,7 +30,7 @@ async def test_url_and_data_uri_become_media_inputs(make_preparer: MakePreparer)
     respx.get(CAT).respond(200, content=cat_webp)
     dog_png = encode(dog, "PNG")
     media = await make_preparer().prepare([ImageRef(CAT), ImageRef(data_uri(dog_png))])
-    assert [m.uuid for m in media] == [pixel_identity(cat), pixel_identity(dog)]
+    assert [m.uuid for m in media] == [content_identity(cat_webp), content_identity(dog_png)]
     assert [m.mime_type for m in media] == ["image/webp", "image/png"]
     assert [m.data for m in media] == [cat_webp, dog_png]
     assert [m.url for m in media] == [None, None]
@@ -38,18 +38,20 @@ async def test_url_and_data_uri_become_media_inputs(make_preparer: MakePreparer)
 
 
 @respx.mock
-async def test_same_pixels_any_transport_one_uuid(make_preparer: MakePreparer) -> None:
+async def test_same_bytes_any_transport_one_uuid(make_preparer: MakePreparer) -> None:
     picture = noise(40, 40, seed=3)
-    respx.get(CAT).respond(200, content=encode(picture, "WEBP", lossless=True))
-    respx.get(DOG).respond(200, content=encode(picture, "PNG"))
+    png, webp = encode(picture, "PNG"), encode(picture, "WEBP", lossless=True)
+    respx.get(CAT).respond(200, content=webp)
+    respx.get(DOG).respond(200, content=png)
     refs = [
         ImageRef(CAT),
         ImageRef(DOG),
-        ImageRef(data_uri(encode(picture, "PNG"))),
-        ImageRef(data_uri(encode(picture, "WEBP", lossless=True), "image/webp")),
+        ImageRef(data_uri(png)),
+        ImageRef(data_uri(webp, "image/webp")),
     ]
     media = await make_preparer().prepare(refs)
-    assert {m.uuid for m in media} == {pixel_identity(picture)}
+    ids = [content_identity(webp), content_identity(png)]
+    assert [m.uuid for m in media] == [*ids, *reversed(ids)]
 
 
 @respx.mock
@@ -70,7 +72,7 @@ async def test_client_uuid_is_used_as_given(make_preparer: MakePreparer) -> None
     inline = data_uri(encode(noise(8, 8), "PNG"))
     media = await make_preparer().prepare([ImageRef(inline, uuid="client-id-1"), ImageRef(inline)])
     assert media[0].uuid == "client-id-1"
-    assert media[1].uuid == pixel_identity(noise(8, 8))
+    assert media[1].uuid == content_identity(encode(noise(8, 8), "PNG"))
 
 
 @respx.mock
@@ -81,7 +83,7 @@ async def test_passthrough_sends_urls_unfetched(make_preparer: MakePreparer) -> 
         [ImageRef(CAT), ImageRef(data_uri(inline))]
     )
     assert (media[0].url, media[0].data, media[0].uuid) == (CAT, None, url_identity(CAT))
-    assert (media[1].data, media[1].uuid) == (inline, pixel_identity(noise(8, 8)))
+    assert (media[1].data, media[1].uuid) == (inline, content_identity(inline))
     assert not route.called
 
 
@@ -196,7 +198,7 @@ async def test_allow_list_admits_a_private_host(make_preparer: MakePreparer) -> 
     url = "http://intranet.example.com/ok.png"
     respx.get(url).respond(200, content=encode(noise(8, 8), "PNG"))
     media = await make_preparer(allowed_networks=("10.0.0.0/8",)).prepare([ImageRef(url)])
-    assert media[0].uuid == pixel_identity(noise(8, 8))
+    assert media[0].uuid == content_identity(encode(noise(8, 8), "PNG"))
 
 
 @respx.mock

@@ -4,9 +4,11 @@ router's decisions (and its metrics for gaps, replays and purges)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
+from sidecar.routing.events import IntakeSettings
 from sidecar.routing.policy import RoutingConfig
 from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample
 from tests.routing.publisher import cleared, removed, stored
@@ -248,3 +250,37 @@ async def test_subscriber_reconnects_to_a_restarted_publisher(event_rig: RigFact
     assert rig.route(P + TAIL)[1] == 0
     assert rig.route(fresh + TAIL) == (0, 8)
     assert sample(rig.registry, "rankgate_kv_event_purges_total", rank="0", reason="restart") == 1
+
+
+async def test_batches_published_together_are_drained_in_one_turn(event_rig: RigFactory) -> None:
+    rig = await event_rig(config=RoutingConfig(pending_ttl=0, intake=IntakeSettings(coalesce=0.3)))
+    rank0, rank1 = rig.publishers
+    rank0.publish([stored([201], blocks(P, 0, 1), block_size=BLOCK)])
+    await rig.settle(0, 1)
+    # Published while the thread lets batches gather after its first wake-up.
+    for n in range(2):
+        rank0.publish([stored([202 + n], blocks(P, 1 + n, 1), parent=201 + n, block_size=BLOCK)])
+        rank1.publish([stored([211 + n], blocks(P, n, 1), block_size=BLOCK)])
+    await rig.settle(0, 3)
+    await rig.settle(1, 2)
+
+    assert rig.route(P + TAIL) == (0, 12)
+    assert sample(rig.registry, "rankgate_kv_event_turns_total") <= 3
+
+
+async def test_an_idle_intake_sleeps_until_it_is_stopped(event_rig: RigFactory) -> None:
+    """No timer wakes the thread while nothing arrives and no deadline is due, and closing the
+    router wakes it at once (a worker that polled would spend CPU doing nothing)."""
+    rig = await event_rig(config=RoutingConfig(pending_ttl=0, intake=IntakeSettings(coalesce=0)))
+    rig.publishers[0].publish([stored([301], blocks(P, 0, 1), block_size=BLOCK)])
+    await rig.settle(0, 1)
+    woken = sample(rig.registry, "rankgate_kv_event_turns_total")
+    await asyncio.sleep(0.6)
+    assert sample(rig.registry, "rankgate_kv_event_turns_total") == woken
+    rig.publishers[1].publish([stored([302], blocks(P, 0, 1), block_size=BLOCK)])
+    await rig.settle(1, 1)
+    assert sample(rig.registry, "rankgate_kv_event_turns_total") == woken + 1
+
+    started = time.monotonic()
+    await rig.router.close()
+    assert time.monotonic() - started < 0.5

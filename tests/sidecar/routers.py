@@ -46,6 +46,9 @@ class FixedRouter:
         self.tickets.append(ticket)
         return ticket
 
+    def sent(self) -> None:
+        return None
+
     async def start(self) -> None:
         self.started = True
 

@@ -90,6 +90,64 @@ async def test_a_pinned_waiter_takes_only_its_own_rank() -> None:
     assert settled(gate) == (0, 0, 2)
 
 
+async def test_a_grant_that_fits_takes_its_slots_without_waiting() -> None:
+    gate = admission(per_rank=2)
+    async with gate.grant(None, 2, 0) as grant:
+        assert grant.take(0) == 0
+        assert grant.take(None) is None  # a stream vLLM places itself holds no slot
+        assert grant.take(1) == 1
+    assert (gate.waiting, gate.used) == (0, {0: 1, 1: 1})
+    gate.give(0)
+    gate.give(1)
+    assert settled(gate) == (0, 0, 4)
+
+
+async def test_a_grant_waits_then_settles_what_its_body_left_free() -> None:
+    gate = admission()
+    gate.take(0)
+    gate.take(1)
+    woken: list[str] = []
+
+    async def request(name: str, weight: int, takes: int) -> None:
+        async with gate.grant(None, weight, 0) as grant:
+            woken.append(name)
+            for _ in range(takes):
+                grant.take(0 if gate.room(0) > 0 else 1)
+
+    # "pair" needs both slots but its body launches only one; "next" must get the other.
+    pair = asyncio.create_task(request("pair", 2, 1))
+    after = asyncio.create_task(request("next", 1, 1))
+    await turn()
+    assert gate.waiting == 2
+    gate.give(0)
+    await turn()
+    assert woken == []  # one slot is not enough for the pair, and the next may not overtake
+    gate.give(1)
+    await asyncio.gather(pair, after)
+    assert woken == ["pair", "next"]
+    assert (gate.in_use, gate.waiting, gate.free) == (2, 0, 0)
+
+
+async def test_a_grant_whose_body_fails_hands_its_slots_on() -> None:
+    gate = admission()
+    gate.take(0)
+    gate.take(1)
+
+    async def failing() -> None:
+        async with gate.grant(0, 1, 0):
+            raise RuntimeError("the router failed")
+
+    first = asyncio.create_task(failing())
+    second = asyncio.create_task(gate.wait(0, 1, 0))
+    await turn()
+    gate.give(0)
+    with pytest.raises(RuntimeError):
+        await first
+    await asyncio.wait_for(second, 1)
+    gate.give(1)
+    assert settled(gate) == (0, 0, 2)
+
+
 async def test_a_pinned_waiter_does_not_hold_up_others() -> None:
     gate = admission()
     gate.take(0)

@@ -6,7 +6,6 @@ from typing import Any
 import pytest
 
 from sidecar.convert import (
-    CACHE_SALT_PREFIX,
     DeltaDecoder,
     RequestEncoder,
     decode_transfer_params,
@@ -17,6 +16,7 @@ from sidecar.convert import (
 )
 from sidecar.errors import EngineFailure, InvalidRequest
 from sidecar.proto.vllm import inference_pb2 as pb
+from sidecar.routing.hashing import SALT_TAG
 from sidecar.types import (
     MediaInput,
     OutputOptions,
@@ -132,11 +132,11 @@ def test_every_field_is_carried() -> None:
     assert response.output_candidates.top_n == 3
     assert response.prompt_token_ids
     assert response.skip_special_tokens is False
-    assert message.kv.cache_salt == CACHE_SALT_PREFIX + "tenant-1"
-    assert decode_transfer_params(message.kv.kv_transfer_params) == {
-        "do_remote_decode": True,
-        "remote_port": "8000",
-    }
+    assert message.kv.cache_salt == SALT_TAG + "tenant-1"
+    # JSON types go out as they came: vLLM's NIXL connector refuses strings where it compares.
+    params = message.kv.kv_transfer_params
+    assert params.fields["remote_port"].WhichOneof("kind") == "number_value"
+    assert decode_transfer_params(params) == {"do_remote_decode": True, "remote_port": 8000}
     assert message.priority == -2
     assert message.lora_name == "adapter"
 
@@ -225,13 +225,11 @@ def test_transfer_params_round_trip() -> None:
     }
     message = pb.KVCacheParameters()
     encode_transfer_params(message.kv_transfer_params, params)
-    assert decode_transfer_params(message.kv_transfer_params) == {
-        "remote_host": "10.0.0.1",
-        "remote_port": "8000",
-        "remote_block_ids": ["1", "2", "3"],
-        "ratio": 0.5,
-        "nested": {"flag": False, "none": None},
-    }
+    assert decode_transfer_params(message.kv_transfer_params) == params
+    fields = message.kv_transfer_params.fields
+    kinds = {key: value.WhichOneof("kind") for key, value in fields.items()}
+    assert kinds["remote_port"] == "number_value"
+    assert kinds["remote_host"] == "string_value"
 
 
 def response(**fields: Any) -> Any:

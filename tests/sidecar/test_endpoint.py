@@ -40,6 +40,7 @@ def test_target_brackets_ipv6() -> None:
         ("host", "no port"),
         ("grpc://host", "no port"),
         ("host:abc", "not a number"),
+        ("host:5005\xb2", "not a number"),
         ("host:70000", "out of range"),
         ("host:0", "out of range"),
         ("::1:50051", "brackets"),

@@ -10,8 +10,6 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar.convert import CACHE_SALT_PREFIX
-from sidecar.engine import UNPINNED_RANK
 from sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
@@ -20,6 +18,8 @@ from sidecar.errors import (
     NotFound,
 )
 from sidecar.proto.vllm import inference_pb2
+from sidecar.routing.hashing import SALT_TAG
+from sidecar.streams import UNPINNED_RANK
 from sidecar.types import SamplingParams, StoppingParams
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
@@ -41,7 +41,7 @@ async def test_single_choice_stream(fake: FakeServer, start_sidecar: StartSideca
     assert sent.request_id == "a-0"
     assert sent.model == "fake"
     assert sent.HasField("temperature")
-    assert sent.kv.cache_salt == CACHE_SALT_PREFIX + "s1"
+    assert sent.kv.cache_salt == SALT_TAG + "s1"
     assert received.rank is None
     (ticket,) = router.tickets
     assert (ticket.first_tokens, ticket.finishes) == (1, 1)

@@ -22,6 +22,16 @@ import pytest
 from sidecar import http2
 from sidecar.convert import merge_responses
 from sidecar.endpoint import parse_endpoint
+from sidecar.errors import (
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    InvalidRequest,
+    NotFound,
+    SidecarError,
+)
+from sidecar.h2 import frames
+from sidecar.h2.headers import HeaderDecoder
 from sidecar.inference_client import InferenceClient
 from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.support.ports import free_port
@@ -135,7 +145,7 @@ async def test_unary_and_stream_replies() -> None:
         assert _tokens(messages) == [0, 1, 2, 3]
         call = client.GenerateStream(_request(tokens=1))
         await _all(call)
-        assert await call.read() is grpc.aio.EOF
+        assert await call.read() is None
 
 
 async def test_messages_far_beyond_the_flow_control_windows() -> None:
@@ -165,13 +175,11 @@ async def test_the_peer_stream_limit_queues_calls() -> None:
 
 async def test_status_codes_and_escaped_messages() -> None:
     async with _grpc_server() as (_, client):
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(InvalidRequest) as caught:
             await client.Generate(_request("invalid"))
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert caught.value.details() == "bad: 100% wrong\nreally ✗"
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        assert caught.value.message == "bad: 100% wrong\nreally ✗"
+        with pytest.raises(EngineOverloaded, match="too many requests"):
             await _all(client.GenerateStream(_request("busy")))
-        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_messages_before_a_late_error_are_delivered_first() -> None:
@@ -179,7 +187,7 @@ async def test_messages_before_a_late_error_are_delivered_first() -> None:
         call = client.GenerateStream(_request("fail-late", tokens=3))
         received = [await call.read() for _ in range(4)]
         assert [m.outputs.text for m in received[1:]] == ["t0", "t1", "t2"]
-        with pytest.raises(grpc.aio.AioRpcError, match="engine core died"):
+        with pytest.raises(EngineFailure, match=r"\(INTERNAL\): engine core died"):
             await call.read()
 
 
@@ -218,12 +226,10 @@ async def test_message_size_limits() -> None:
     async with _grpc_server() as (server, _):
         small = InferenceClient(parse_endpoint(f"127.0.0.1:{server.port}"), 1000)
         try:
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
+            with pytest.raises(EngineOverloaded, match=r"engine message of .* exceeds 1000"):
                 await small.Generate(_request(tokens=5000))
-            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
+            with pytest.raises(EngineOverloaded, match=r"request of .* exceeds 1000"):
                 await small.Generate(_request(prompt=2000))
-            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert (await small.Generate(_request(tokens=10))).outputs.text == "x" * 10
         finally:
             await small.close()
@@ -233,17 +239,15 @@ async def test_engine_down_then_restarted() -> None:
     server = _GrpcServer()
     client = InferenceClient(parse_endpoint(f"127.0.0.1:{server.port}"), MAX_MESSAGE)
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(EngineUnavailable, match="cannot connect"):
             await client.Generate(_request())
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         await server.start()
         assert (await client.Generate(_request(tokens=1))).outputs.text == "x"
         call = client.GenerateStream(_request("slow-down", tokens=1000))
         await call.read()
         await server.stop()
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(EngineUnavailable):
             await _all(call)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         server.server = None
         await server.start()
         assert (await client.Generate(_request(tokens=2))).outputs.text == "xx"
@@ -251,7 +255,7 @@ async def test_engine_down_then_restarted() -> None:
         await client.close()
         if server.server is not None:
             await server.stop()
-    with pytest.raises(grpc.aio.AioRpcError, match="closed"):
+    with pytest.raises(EngineUnavailable, match="closed"):
         await client.Generate(_request())
 
 
@@ -279,16 +283,16 @@ class _Peer:
         self.encoder = hpack.Encoder()
         bodies: dict[int, bytes] = {}
         try:
-            assert await reader.readexactly(24) == http2.PREFACE
-            writer.write(http2.frame(http2.SETTINGS, 0, 0))
+            assert await reader.readexactly(24) == frames.PREFACE
+            writer.write(frames.frame(frames.SETTINGS, 0, 0))
             while True:
                 head = await reader.readexactly(9)
                 hi, lo, kind, flags, stream_id = _HEAD.unpack(head)
                 payload = await reader.readexactly((hi << 8) | lo)
                 self.received.append((kind, flags, stream_id, payload))
-                if kind == http2.DATA:
+                if kind == frames.DATA:
                     body = bodies.pop(stream_id, b"") + payload
-                    if flags & http2.END_STREAM:
+                    if flags & frames.END_STREAM:
                         request = inference_pb2.GenerateRequest.FromString(body[5:])
                         await self.script(self, stream_id, request.request_id)
                     else:
@@ -301,18 +305,21 @@ class _Peer:
 
     def send(self, kind: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
         assert self.writer is not None
-        self.writer.write(http2.frame(kind, flags, stream_id, payload))
+        self.writer.write(frames.frame(kind, flags, stream_id, payload))
 
     def headers(self, pairs: list[tuple[str, str]], huffman: bool = True) -> bytes:
         return bytes(self.encoder.encode(pairs, huffman=huffman))
 
     def reply(self, stream_id: int, *messages: bytes, status: int = 0, message: str = "") -> None:
-        self.send(http2.HEADERS, http2.END_HEADERS, stream_id, self.headers(_OK))
+        self.send(frames.HEADERS, frames.END_HEADERS, stream_id, self.headers(_OK))
         for payload in messages:
-            self.send(http2.DATA, 0, stream_id, http2.grpc_message(payload))
+            self.send(frames.DATA, 0, stream_id, http2.grpc_message(payload))
         trailers = [("grpc-status", str(status))] + ([("grpc-message", message)] if message else [])
         self.send(
-            http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, stream_id, self.headers(trailers)
+            frames.HEADERS,
+            frames.END_HEADERS | frames.END_STREAM,
+            stream_id,
+            self.headers(trailers),
         )
 
 
@@ -337,11 +344,12 @@ async def _peer(script: Script) -> AsyncIterator[tuple[_Peer, InferenceClient]]:
             await asyncio.wait_for(server.wait_closed(), 2)
 
 
-async def _code_of(call: Any) -> grpc.StatusCode:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
+async def _code_of(call: Any) -> tuple[type[SidecarError], str]:
+    """The error type a call ended with, and the gRPC status its message names."""
+    with pytest.raises(SidecarError) as caught:
         await _all(call)
-    code: grpc.StatusCode = caught.value.code()
-    return code
+    named = caught.value.message.partition("(")[2].partition(")")[0]
+    return type(caught.value), named
 
 
 async def test_padding_continuation_and_split_messages() -> None:
@@ -349,18 +357,18 @@ async def test_padding_continuation_and_split_messages() -> None:
         block = peer.headers(_OK)
         # HEADERS padded and with priority, its block split across a CONTINUATION.
         priority = b"\x00\x00\x00\x00\x10"
-        peer.send(http2.HEADERS, http2.PADDED | http2.PRIORITY_FLAG, sid,
+        peer.send(frames.HEADERS, frames.PADDED | frames.PRIORITY_FLAG, sid,
                   b"\x03" + priority + block[:1] + b"pad")  # fmt: skip
-        peer.send(http2.CONTINUATION, http2.END_HEADERS, sid, block[1:])
+        peer.send(frames.CONTINUATION, frames.END_HEADERS, sid, block[1:])
         # One message split over three DATA frames, the middle one padded; then two in one.
         one = http2.grpc_message(_TOKEN)
-        peer.send(http2.DATA, 0, sid, one[:3])
-        peer.send(http2.DATA, http2.PADDED, sid, b"\x02" + one[3:9] + b"\x00\x00")
-        peer.send(http2.DATA, 0, sid, one[9:])
-        peer.send(http2.DATA, 0, sid, one + one)
+        peer.send(frames.DATA, 0, sid, one[:3])
+        peer.send(frames.DATA, frames.PADDED, sid, b"\x02" + one[3:9] + b"\x00\x00")
+        peer.send(frames.DATA, 0, sid, one[9:])
+        peer.send(frames.DATA, 0, sid, one + one)
         peer.send(
-            http2.HEADERS,
-            http2.END_HEADERS | http2.END_STREAM,
+            frames.HEADERS,
+            frames.END_HEADERS | frames.END_STREAM,
             sid,
             peer.headers([("grpc-status", "0")], huffman=False),
         )
@@ -426,14 +434,14 @@ async def test_one_read_merges_at_most_max_merged_more() -> None:
     call._conn = conn
     call.on_headers(_OK, end_stream=False)
     data = b"".join(http2.grpc_message(_message(token_ids=[i])) for i in range(40))
-    call.on_data(data, len(data))
+    call.on_data(data, len(data), False)
     call.on_headers([("grpc-status", "0")], end_stream=True)
     reads = [await call.read() for _ in range(3)]
-    assert [list(m.outputs.token_ids) for m in reads[:2]] == [
+    assert [list(m.outputs.token_ids) for m in reads[:2] if m is not None] == [
         list(range(http2.MAX_MERGED + 1)),
         list(range(http2.MAX_MERGED + 1, 40)),
     ]
-    assert reads[2] is grpc.aio.EOF
+    assert reads[2] is None
 
 
 async def test_a_declined_merge_hands_the_messages_out_in_order() -> None:
@@ -450,10 +458,10 @@ async def test_a_declined_merge_hands_the_messages_out_in_order() -> None:
             _message(text="c", token_ids=[3]),
         )
     )
-    call.on_data(data, len(data))
+    call.on_data(data, len(data), False)
     call.on_headers([("grpc-status", "0")], end_stream=True)
-    assert [(await call.read()).outputs.text for _ in range(3)] == ["a", "b", "c"]
-    assert await call.read() is grpc.aio.EOF
+    assert [m.outputs.text for m in [await call.read() for _ in range(3)] if m] == ["a", "b", "c"]
+    assert await call.read() is None
 
 
 async def test_a_reader_that_keeps_up_gets_every_message_as_sent() -> None:
@@ -466,29 +474,30 @@ async def test_trailers_only_and_http_errors() -> None:
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         if rid == "trailers-only":
             pairs = [*_OK, ("grpc-status", "5"), ("grpc-message", "model%20missing")]
-            peer.send(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid, peer.headers(pairs))
+            peer.send(
+                frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, sid, peer.headers(pairs)
+            )
         elif rid == "http-503":
             peer.send(
-                http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid,
+                frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, sid,
                 peer.headers([(":status", "503")]),
             )  # fmt: skip
         elif rid == "no-trailers":
-            peer.send(http2.HEADERS, http2.END_HEADERS, sid, peer.headers(_OK))
-            peer.send(http2.DATA, http2.END_STREAM, sid, http2.grpc_message(_TOKEN))
+            peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
+            peer.send(frames.DATA, frames.END_STREAM, sid, http2.grpc_message(_TOKEN))
         else:
             peer.reply(sid, _TOKEN, status=99)
 
     async with _peer(script) as (_, client):
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(NotFound) as caught:
             await client.Generate(_request("trailers-only"))
-        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-        assert caught.value.details() == "model missing"
+        assert caught.value.message == "model missing"
         code = await _code_of(client.GenerateStream(_request("http-503")))
-        assert code == grpc.StatusCode.UNAVAILABLE
+        assert code == (EngineUnavailable, "UNAVAILABLE")
         code = await _code_of(client.GenerateStream(_request("no-trailers")))
-        assert code == grpc.StatusCode.INTERNAL
+        assert code == (EngineFailure, "INTERNAL")
         code = await _code_of(client.GenerateStream(_request("unknown-status")))
-        assert code == grpc.StatusCode.UNKNOWN
+        assert code == (EngineFailure, "UNKNOWN")
 
 
 async def test_unary_reply_shapes() -> None:
@@ -499,32 +508,32 @@ async def test_unary_reply_shapes() -> None:
             peer.reply(sid, _TOKEN, _TOKEN)
 
     async with _peer(script) as (_, client):
-        with pytest.raises(grpc.aio.AioRpcError, match="no reply"):
+        with pytest.raises(EngineFailure, match="no reply"):
             await client.Generate(_request("none"))
-        with pytest.raises(grpc.aio.AioRpcError, match="more than one reply"):
+        with pytest.raises(EngineFailure, match="more than one reply"):
             await client.Generate(_request("two"))
 
 
 async def test_reset_compressed_and_oversized_messages() -> None:
     async def script(peer: _Peer, sid: int, rid: str) -> None:
-        peer.send(http2.HEADERS, http2.END_HEADERS, sid, peer.headers(_OK))
+        peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
         if rid == "compressed":
-            peer.send(http2.DATA, 0, sid, b"\x01" + struct.pack(">L", 1) + b"z")
+            peer.send(frames.DATA, 0, sid, b"\x01" + struct.pack(">L", 1) + b"z")
         elif rid == "huge":
-            peer.send(http2.DATA, 0, sid, b"\x00" + struct.pack(">L", MAX_MESSAGE + 1) + b"z")
+            peer.send(frames.DATA, 0, sid, b"\x00" + struct.pack(">L", MAX_MESSAGE + 1) + b"z")
         else:
-            peer.send(http2.RST_STREAM, 0, sid, struct.pack(">L", http2.ENHANCE_YOUR_CALM))
+            peer.send(
+                frames.RST_STREAM, 0, sid, struct.pack(">L", frames.ErrorCode.ENHANCE_YOUR_CALM)
+            )
 
     async with _peer(script) as (peer, client):
         code = await _code_of(client.GenerateStream(_request("compressed")))
-        assert code == grpc.StatusCode.INTERNAL
-        code = await _code_of(client.GenerateStream(_request("huge")))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        code = await _code_of(client.GenerateStream(_request("calm")))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code == (EngineFailure, "INTERNAL")
+        assert (await _code_of(client.GenerateStream(_request("huge"))))[0] is EngineOverloaded
+        assert (await _code_of(client.GenerateStream(_request("calm"))))[0] is EngineOverloaded
         await asyncio.sleep(0.05)
         # We told the peer to stop streams 1 and 3 (CANCEL), never 5 (reset by the peer).
-        resets = [sid for kind, _, sid, _ in peer.received if kind == http2.RST_STREAM]
+        resets = [sid for kind, _, sid, _ in peer.received if kind == frames.RST_STREAM]
         assert resets == [1, 3]
 
 
@@ -534,7 +543,7 @@ async def test_refused_streams_are_sent_again_a_bounded_number_of_times() -> Non
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         tries[rid] = tries.get(rid, 0) + 1
         if rid == "always" or tries[rid] == 1:
-            peer.send(http2.RST_STREAM, 0, sid, struct.pack(">L", http2.REFUSED_STREAM))
+            peer.send(frames.RST_STREAM, 0, sid, struct.pack(">L", frames.ErrorCode.REFUSED_STREAM))
         else:
             peer.reply(sid, _TOKEN)
 
@@ -542,7 +551,7 @@ async def test_refused_streams_are_sent_again_a_bounded_number_of_times() -> Non
         assert len(await _all(client.GenerateStream(_request("once")))) == 1
         assert tries["once"] == 2
         code = await _code_of(client.GenerateStream(_request("always")))
-        assert code == grpc.StatusCode.UNAVAILABLE
+        assert code == (EngineUnavailable, "UNAVAILABLE")
         assert tries["always"] == http2.MAX_TRIES + 1
 
 
@@ -550,7 +559,7 @@ async def test_goaway_moves_untaken_streams_to_a_new_connection() -> None:
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         if rid == "second" and peer.connections == 1:
             # Stream 1 ("first") is still open and was taken; stream 3 was not.
-            peer.send(http2.GOAWAY, 0, 0, struct.pack(">LL", 1, 0))
+            peer.send(frames.GOAWAY, 0, 0, struct.pack(">LL", 1, 0))
             peer.reply(1, _TOKEN)
         elif rid != "first":
             peer.reply(sid, _TOKEN, _TOKEN)
@@ -567,17 +576,17 @@ async def test_goaway_moves_untaken_streams_to_a_new_connection() -> None:
 
 async def test_pings_are_answered_and_settings_acknowledged() -> None:
     async def script(peer: _Peer, sid: int, rid: str) -> None:
-        peer.send(http2.PING, 0, 0, b"12345678")
-        peer.send(http2.SETTINGS, 0, 0, struct.pack(">HL", http2.SETTINGS_MAX_FRAME_SIZE, 20000))
+        peer.send(frames.PING, 0, 0, b"12345678")
+        peer.send(frames.SETTINGS, 0, 0, struct.pack(">HL", frames.SETTINGS_MAX_FRAME_SIZE, 20000))
         peer.reply(sid, _TOKEN)
 
     async with _peer(script) as (peer, client):
         await _all(client.GenerateStream(_request()))
         await asyncio.sleep(0.05)
-    pings = [(flags, payload) for kind, flags, _, payload in peer.received if kind == http2.PING]
-    assert pings == [(http2.ACK, b"12345678")]
-    acks = [flags for kind, flags, _, _ in peer.received if kind == http2.SETTINGS]
-    assert http2.ACK in acks
+    pings = [(flags, payload) for kind, flags, _, payload in peer.received if kind == frames.PING]
+    assert pings == [(frames.ACK, b"12345678")]
+    acks = [flags for kind, flags, _, _ in peer.received if kind == frames.SETTINGS]
+    assert frames.ACK in acks
 
 
 async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -585,20 +594,20 @@ async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(http2, "KEEPALIVE_TIMEOUT_S", 0.05)
 
     async def script(peer: _Peer, sid: int, rid: str) -> None:
-        peer.send(http2.HEADERS, http2.END_HEADERS, sid, peer.headers(_OK))
+        peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
 
     async with _peer(script) as (peer, client):
         peer_ignores_pings = client.GenerateStream(_request())
         code = await asyncio.wait_for(_code_of(peer_ignores_pings), 5)
-        assert code == grpc.StatusCode.UNAVAILABLE
-    assert any(kind == http2.PING for kind, _, _, _ in peer.received)
+        assert code == (EngineUnavailable, "UNAVAILABLE")
+    assert any(kind == frames.PING for kind, _, _, _ in peer.received)
 
 
 def test_the_header_memo_follows_the_dynamic_table() -> None:
     """An indexed-only block is remembered until a block changes the table: then the same
     bytes name a different entry and must be decoded again."""
     encoder = hpack.Encoder()
-    decoder = http2.HeaderDecoder()
+    decoder = HeaderDecoder()
     assert decoder.decode(encoder.encode([("a", "1")])) == [("a", "1")]
     indexed = encoder.encode([("a", "1")])
     assert indexed == b"\xbe"
@@ -619,3 +628,166 @@ def test_the_header_memo_follows_the_dynamic_table() -> None:
     # A table size update changes the table: everything is forgotten.
     assert decoder.decode(b"\x3f\xe1\x1f\xbe") == [("b", "2")]
     assert not decoder._memo
+
+
+# ---------------------------------------------------------------- what RFC 9113 forbids
+
+
+def _goaways(peer: _Peer) -> list[int]:
+    """The error codes of the GOAWAY frames the client sent."""
+    return [
+        struct.unpack(">LL", payload[:8])[1]
+        for kind, _, _, payload in peer.received
+        if kind == frames.GOAWAY
+    ]
+
+
+def _resets(peer: _Peer) -> list[tuple[int, int]]:
+    return [
+        (sid, struct.unpack(">L", payload)[0])
+        for kind, _, sid, payload in peer.received
+        if kind == frames.RST_STREAM
+    ]
+
+
+async def _eventually(check: Callable[[], bool]) -> None:
+    """The scripted peer reads the client's frames only between its replies."""
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    assert check()
+
+
+async def _refused_with(script: Script, code: frames.ErrorCode, words: str) -> _Peer:
+    """Run one call against ``script``: it must fail with an EngineFailure naming ``words``
+    and the client must end the connection with GOAWAY(``code``); the next call gets a new
+    connection."""
+    async with _peer(script) as (peer, client):
+        with pytest.raises(EngineFailure, match=words) as caught:
+            await _all(client.GenerateStream(_request()))
+        assert code.name in caught.value.message
+        await _eventually(lambda: bool(_goaways(peer)))
+        assert _goaways(peer) == [code]
+        return peer
+
+
+async def test_a_continuation_flood_is_refused() -> None:
+    """A header block that never ends: 16 MiB of CONTINUATION is cut off at the limit."""
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        assert peer.writer is not None
+        peer.send(frames.HEADERS, 0, sid, peer.headers(_OK))
+        chunk = b"\x00" * frames.DEFAULT_MAX_FRAME
+        with contextlib.suppress(ConnectionError):
+            for _ in range(1024):
+                peer.send(frames.CONTINUATION, 0, sid, chunk)
+                await peer.writer.drain()
+
+    # The client closes a connection with 16 MiB unread: its GOAWAY may die with the reset.
+    async with _peer(script) as (_, client):
+        with pytest.raises(EngineFailure, match=r"ENHANCE_YOUR_CALM.*header block too large"):
+            await _all(client.GenerateStream(_request()))
+        assert client._conn is None
+
+
+async def test_data_inside_an_open_header_block_is_refused() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        block = peer.headers(_OK)
+        peer.send(frames.HEADERS, 0, sid, block[:1])
+        peer.send(frames.DATA, 0, sid, http2.grpc_message(_TOKEN))
+        peer.send(frames.CONTINUATION, frames.END_HEADERS, sid, block[1:])
+
+    await _refused_with(script, frames.ErrorCode.PROTOCOL_ERROR, "header block was interrupted")
+
+
+async def test_an_initial_window_of_2_to_the_31_is_refused() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        setting = struct.pack(">HL", frames.SETTINGS_INITIAL_WINDOW_SIZE, 1 << 31)
+        peer.send(frames.SETTINGS, 0, 0, setting)
+        peer.reply(sid, _TOKEN)
+
+    await _refused_with(
+        script, frames.ErrorCode.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE above"
+    )
+
+
+async def test_a_window_update_of_zero_is_refused() -> None:
+    """On a stream it is a stream error (RST_STREAM, the connection goes on); on the
+    connection a connection error."""
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        if rid == "stream":
+            peer.send(frames.WINDOW_UPDATE, 0, sid, struct.pack(">L", 0))
+        elif rid == "connection":
+            peer.send(frames.WINDOW_UPDATE, 0, 0, struct.pack(">L", 0))
+        else:
+            peer.reply(sid, _TOKEN)
+
+    async with _peer(script) as (peer, client):
+        with pytest.raises(EngineFailure, match=r"PROTOCOL_ERROR.*WINDOW_UPDATE of 0"):
+            await _all(client.GenerateStream(_request("stream")))
+        await _eventually(lambda: bool(_resets(peer)))
+        assert _resets(peer) == [(1, frames.ErrorCode.PROTOCOL_ERROR)]
+        assert _tokens(await _all(client.GenerateStream(_request("fine")))) == [7]
+        assert peer.connections == 1
+        with pytest.raises(EngineFailure, match="WINDOW_UPDATE of 0 on the connection"):
+            await _all(client.GenerateStream(_request("connection")))
+        await _eventually(lambda: bool(_goaways(peer)))
+        assert _goaways(peer) == [frames.ErrorCode.PROTOCOL_ERROR]
+
+
+async def test_a_send_window_past_2_to_the_31_minus_1_is_refused() -> None:
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        grow = struct.pack(">L", frames.MAX_WINDOW)
+        if rid == "stream":
+            peer.send(frames.WINDOW_UPDATE, 0, sid, grow)
+        elif rid == "connection":
+            peer.send(frames.WINDOW_UPDATE, 0, 0, grow)
+        else:
+            peer.reply(sid, _TOKEN)
+
+    async with _peer(script) as (peer, client):
+        with pytest.raises(EngineFailure, match=r"FLOW_CONTROL_ERROR.*stream window above"):
+            await _all(client.GenerateStream(_request("stream")))
+        await _eventually(lambda: bool(_resets(peer)))
+        assert _resets(peer) == [(1, frames.ErrorCode.FLOW_CONTROL_ERROR)]
+        assert _tokens(await _all(client.GenerateStream(_request("fine")))) == [7]
+        with pytest.raises(EngineFailure, match="connection window above"):
+            await _all(client.GenerateStream(_request("connection")))
+        await _eventually(lambda: bool(_goaways(peer)))
+        assert _goaways(peer) == [frames.ErrorCode.FLOW_CONTROL_ERROR]
+
+
+async def test_a_frame_above_the_advertised_maximum_is_refused() -> None:
+    """We never raise SETTINGS_MAX_FRAME_SIZE from its 16,384 default: 100 kB is too much."""
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
+        peer.send(frames.DATA, 0, sid, http2.grpc_message(b"\x00" * 100_000))
+
+    await _refused_with(
+        script, frames.ErrorCode.FRAME_SIZE_ERROR, "a frame of 100005 bytes exceeds 16384"
+    )
+
+
+async def test_stream_ids_past_2_to_the_31_minus_1_take_a_new_connection() -> None:
+    """The last odd id 2^31-1 is used, then the next call opens a new connection (stream 1
+    there) and the old one says GOAWAY(NO_ERROR) and closes once its streams are done."""
+    ids: list[tuple[int, int]] = []
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        ids.append((peer.connections, sid))
+        peer.reply(sid, _TOKEN)
+
+    async with _peer(script) as (peer, client):
+        assert _tokens(await _all(client.GenerateStream(_request()))) == [7]
+        conn = client._conn
+        assert conn is not None
+        conn.next_stream_id = frames.MAX_STREAM_ID - 2
+        for _ in range(3):
+            assert _tokens(await _all(client.GenerateStream(_request()))) == [7]
+        assert ids == [(1, 1), (1, frames.MAX_STREAM_ID - 2), (1, frames.MAX_STREAM_ID), (2, 1)]
+        await _eventually(lambda: bool(_goaways(peer)))
+        assert _goaways(peer) == [frames.ErrorCode.NO_ERROR]
+        assert conn.transport is None or conn.transport.is_closing()

@@ -14,9 +14,9 @@ import pytest
 import pytest_asyncio
 
 from sidecar.config import SidecarConfig
-from sidecar.convert import CACHE_SALT_PREFIX
 from sidecar.engine import Sidecar
 from sidecar.errors import InvalidRequest
+from sidecar.routing.hashing import SALT_TAG
 from sidecar.types import SamplingParams, StoppingParams
 from tests.conformance.helpers import fresh_prompt, kv_listener
 from tests.sidecar.fake_vllm import collect, request
@@ -83,7 +83,7 @@ async def test_pinned_generation_lands_on_its_rank(
     first = stored[0]
     assert first.parent_block_hash is None
     assert first.extra_keys is not None
-    assert CACHE_SALT_PREFIX + "tenant-a" in str(first.extra_keys[0])
+    assert SALT_TAG + "tenant-a" in str(first.extra_keys[0])
     assert (router.tickets[0].first_tokens, router.tickets[0].finishes) == (1, 1)
     assert sidecar.in_flight() == dict.fromkeys(sidecar.info.ranks, 0)
 

@@ -9,10 +9,12 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from sidecar.config import SidecarConfig
 from sidecar.engine import Sidecar
 from sidecar.errors import DiscoveryError, EngineUnavailable
+from sidecar.health import wait_for_serving
 from sidecar.proto.vllm import control_pb2
 from sidecar.types import KvEventSource, RankCapacity
 from tests.sidecar.conftest import StartSidecar
@@ -113,8 +115,35 @@ async def test_startup_deadline(fake: FakeServer, start_sidecar: StartSidecar) -
     began = time.monotonic()
     expected = r"startup deadline.*vllm\.Inference is NOT_SERVING"
     with pytest.raises(EngineUnavailable, match=expected):
-        await start_sidecar(startup_timeout=0.5)
-    assert 0.4 < time.monotonic() - began < 3
+        await start_sidecar(startup_timeout=1.5)
+    assert 1.4 < time.monotonic() - began < 5
+
+
+class _AnswersThenStalls:
+    """A health stub: NOT_SERVING once, then every probe runs out of time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Check(self, request: Any, timeout: float) -> Any:  # noqa: ASYNC109 (gRPC stub signature)
+        self.calls += 1
+        if self.calls == 1:
+            return health_pb2.HealthCheckResponse(status=NOT_SERVING)
+        await asyncio.sleep(timeout)
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "Deadline Exceeded",
+        )
+
+
+async def test_startup_deadline_names_the_engines_answer_over_a_late_timeout() -> None:
+    health = _AnswersThenStalls()
+    deadline = asyncio.get_running_loop().time() + 0.3
+    with pytest.raises(EngineUnavailable, match=r"vllm\.Control is NOT_SERVING"):
+        await wait_for_serving(health, deadline, retry_interval=0.01)
+    assert health.calls >= 2
 
 
 @pytest.mark.parametrize(

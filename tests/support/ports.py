@@ -45,6 +45,13 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def candidate_port() -> int:
+    """A random port of the band tests allocate from (below the ephemeral range), not
+    checked: for a caller that binds and holds its picks itself."""
+    low, high = _BAND
+    return _RANDOM.randint(low, high)
+
+
 def free_port() -> int:
     return free_port_range(1)
 

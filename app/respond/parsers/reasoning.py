@@ -1,78 +1,213 @@
-"""Splitting ``<think>…</think>`` reasoning from the answer, incrementally.
+"""Reasoning splitters, one per family of vLLM reasoning parsers.
 
-The same state machine serves streaming and non-streaming responses, so both always agree.
-A tag split across deltas is held back until it can be told apart from ordinary text.
+Each splits a stream into reasoning and answer so that the pieces add up to vLLM's split of
+the whole output. Where a later marker could still re-split text already seen (vLLM's
+non-streamed rules look at the whole output), that text is held, not guessed.
 """
 
 from __future__ import annotations
 
-START = "<think>"
-END = "</think>"
+import re
+from dataclasses import dataclass
 
-# Parser names as vLLM spells them; ``True`` when the model starts inside the reasoning (its
-# template opened ``<think>`` in the prompt), so text before ``</think>`` is reasoning even
-# without an opening tag.
-PARSERS: dict[str, bool] = {
-    "deepseek_r1": True,
-    "qwen3": False,
-    "think": False,
-}
+from app.respond.parsers.text import first_of, partial_suffix
+
+THINK = "<think>"
+END_THINK = "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
+class PrefixThink:
+    """``deepseek_r1``: everything up to the first ``<think>`` is dropped; reasoning runs to the
+    first ``</think>``, or to the end when there is none.
 
+    Until a ``<think>`` is seen, a later one could still drop all text before it, so that
+    text is held; after it, reasoning streams.
+    """
 
-class ReasoningParser:
-    """Feed generated text; get back (reasoning, content) pieces."""
+    __slots__ = ("_buf", "_state")
 
-    __slots__ = ("_held", "_state")
-
-    def __init__(self, starts_inside: bool) -> None:
-        # "open": nothing decided yet; "in": inside reasoning; "out": answer text.
-        self._state = "open"
-        self._held = ""
-        if starts_inside:
-            self._state = "open-in"
+    def __init__(self) -> None:
+        self._state = "pre"  # "pre" (no <think> yet), "in", "out"
+        self._buf = ""
 
     def feed(self, text: str) -> tuple[str, str]:
-        buf = self._held + text
+        buf = self._buf + text
+        if self._state == "pre":
+            at = buf.find(THINK)
+            if at < 0:
+                self._buf = buf
+                return "", ""
+            self._state = "in"
+            buf = buf[at + len(THINK) :]
+        if self._state == "out":
+            self._buf = ""
+            return "", buf
+        at = buf.find(END_THINK)
+        if at >= 0:
+            self._state = "out"
+            self._buf = ""
+            return buf[:at], buf[at + len(END_THINK) :]
+        keep = partial_suffix(buf, (END_THINK,))
+        self._buf = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        buf, self._buf = self._buf, ""
+        if self._state == "out":
+            return "", buf
+        if self._state == "in":
+            return buf, ""
+        reasoning, found, content = buf.partition(END_THINK)
+        return (reasoning, content) if found else (buf, "")
+
+
+class EndThink:
+    """``step3``: reasoning is everything before the first ``</think>`` (or everything)."""
+
+    __slots__ = ("_held", "_out")
+
+    def __init__(self) -> None:
+        self._out = False
         self._held = ""
-        reasoning: list[str] = []
-        content: list[str] = []
-        while buf:
-            if self._state in ("open", "open-in"):
-                stripped = buf.lstrip()
-                if stripped.startswith(START):
-                    self._state = "in"
-                    buf = stripped[len(START) :]
-                    continue
-                if START.startswith(stripped):
-                    self._held = buf
-                    break
-                self._state = "in" if self._state == "open-in" else "out"
-                continue
-            if self._state == "in":
-                at = buf.find(END)
-                if at >= 0:
-                    reasoning.append(buf[:at])
-                    buf = buf[at + len(END) :]
-                    self._state = "out"
-                    continue
-                keep = _partial_suffix(buf, END)
-                reasoning.append(buf[: len(buf) - keep])
-                self._held = buf[len(buf) - keep :]
-                break
-            content.append(buf)
-            break
-        return "".join(reasoning), "".join(content)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._out:
+            return "", text
+        buf = self._held + text
+        at = buf.find(END_THINK)
+        if at >= 0:
+            self._out = True
+            self._held = ""
+            return buf[:at], buf[at + len(END_THINK) :]
+        keep = partial_suffix(buf, (END_THINK,))
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], ""
 
     def finish(self) -> tuple[str, str]:
         held, self._held = self._held, ""
-        if self._state == "in" or self._state == "open-in":
-            return held, ""
-        return "", held
+        return ("", held) if self._out else (held, "")
+
+
+_GRANITE_THOUGHT = re.compile(r"(?:Here's|Here is) my thought process:")
+_GRANITE_RESPONSE = re.compile(r"(?:Here's|Here is) my response:")
+
+
+class GraniteThought:
+    """``granite``: "Here is my thought process: ... Here is my response: ..."; an output
+    without both phrases is all answer, so nothing is released before the second one."""
+
+    __slots__ = ("_buf", "_out")
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._out = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._out:
+            return "", text
+        self._buf += text
+        thought = _GRANITE_THOUGHT.search(self._buf)
+        if thought is None:
+            return "", ""
+        response = _GRANITE_RESPONSE.search(self._buf, thought.end())
+        if response is None:
+            return "", ""
+        self._out = True
+        buf, self._buf = self._buf, ""
+        return buf[thought.end() : response.start()], buf[response.end() :]
+
+    def finish(self) -> tuple[str, str]:
+        buf, self._buf = self._buf, ""
+        return "", buf
+
+
+@dataclass(frozen=True, slots=True)
+class MarkupConfig:
+    """A marker machine in the style of vLLM's engine-based reasoning parsers."""
+
+    start: str
+    end: str
+    starts_inside: bool
+    # Markers that end reasoning implicitly and stay in the answer (a tool call's opener).
+    implicit_ends: tuple[str, ...] = ()
+    # Whether a start marker in the answer opens reasoning again.
+    reopens: bool = False
+    strip_trailing: bool = True
+    # Other markers the format knows: they are text here, but never taken for drops.
+    known: tuple[str, ...] = ()
+
+
+class MarkupThink:
+    """Engine-style splitting: start/end markers switch state and are consumed (a repeated one
+    is dropped); special tokens the format does not know are dropped; reasoning may lose its
+    trailing whitespace at the end, so that whitespace is held until more reasoning follows."""
+
+    __slots__ = ("_config", "_drops", "_held", "_reasoning", "_space", "_tags")
+
+    def __init__(self, config: MarkupConfig, special: frozenset[str]) -> None:
+        self._config = config
+        known = {config.start, config.end, *config.implicit_ends, *config.known}
+        self._drops = tuple(sorted(special - known))
+        self._tags = (config.start, config.end, *config.implicit_ends, *self._drops)
+        self._reasoning = config.starts_inside
+        self._held = ""
+        self._space = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf = self._held + text
+        keep = partial_suffix(buf, self._tags)
+        self._held = buf[len(buf) - keep :]
+        return self._scan(buf[: len(buf) - keep])
+
+    def finish(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        reasoning, content = self._scan(held)
+        if not self._config.strip_trailing:
+            reasoning += self._space
+        self._space = ""
+        return reasoning, content
+
+    def _scan(self, buf: str) -> tuple[str, str]:
+        config = self._config
+        reasoning: list[str] = []
+        content: list[str] = []
+        pos = 0
+        while pos < len(buf):
+            at, tag = first_of(buf, self._tags, pos)
+            stop = at if at >= 0 else len(buf)
+            (reasoning if self._reasoning else content).append(buf[pos:stop])
+            if at < 0:
+                break
+            pos = at + len(tag)
+            if tag == config.start:
+                if not self._reasoning and not config.reopens:
+                    content.append(tag)
+                self._reasoning = self._reasoning or config.reopens
+            elif tag == config.end:
+                self._reasoning = False
+            elif tag in config.implicit_ends:
+                if self._reasoning:
+                    self._reasoning = False
+                content.append(tag)
+        return self._trail("".join(reasoning)), "".join(content)
+
+    def _trail(self, reasoning: str) -> str:
+        """Hold reasoning's trailing whitespace until non-blank reasoning follows."""
+        if not reasoning:
+            return ""
+        reasoning = self._space + reasoning
+        body = reasoning.rstrip()
+        self._space = reasoning[len(body) :]
+        return body
+
+
+class Plain:
+    """No reasoning in this output (a thinking switch turned it off): everything is answer."""
+
+    __slots__ = ()
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        return "", ""

@@ -1,0 +1,314 @@
+"""HTTP/1.1 connection limits: header size and count, header/body/idle timeouts, a connection cap.
+
+uvicorn's httptools protocol has no limit on a request's head (llhttp has none, and httptools
+buffers a header name or value until it ends), no deadline for a request's headers or body,
+and no connection cap of its own. :class:`LimitedHttpToolsProtocol` is that protocol with
+those limits added where the bytes arrive:
+
+- the head (request line and headers) may hold ``max_header_bytes`` and ``max_headers``;
+  past either the client gets 431 and the connection is closed, before the bytes are parsed
+  further, so a 200 MB header costs at most the limit in memory;
+- a request's headers must be complete within ``header_timeout`` of the connection opening
+  or of the previous response ending (slowloris), and its body within ``body_timeout`` of its
+  headers (slow uploads): 408, then the connection is closed; a connection that never sends
+  a byte is closed silently;
+- an idle keep-alive connection is closed after ``keepalive_timeout`` (uvicorn's own timer);
+- a worker serves at most ``max_connections`` at once; one over the cap is answered 503 and
+  closed at once.
+
+The protocol also tells the app when a client leaves: every request's scope holds a
+:class:`DisconnectNotice` (under ``DISCONNECT_NOTICE``), fired when the connection is lost or
+refused before the response is complete. uvicorn itself tells only a ``receive`` that is
+waiting, which would cost a task per request to keep waiting.
+
+Deadlines cost no timer per request: each connection stores when its current phase must end,
+and one sweeper per worker looks at the open connections a few times a second. Every answer
+given here is OpenAI error JSON, like the app's, including httptools' parse errors (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from app.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    # Bytes of a request's head: request line and headers.
+    max_header_bytes: int = 32 << 10
+    max_headers: int = 128
+    # Seconds for a request's whole head, from connect or from the previous response.
+    header_timeout: float = 10.0
+    # Seconds for a request's whole body, from the end of its head.
+    body_timeout: float = 60.0
+    # Seconds an idle keep-alive connection is kept (uvicorn counts whole seconds).
+    keepalive_timeout: int = 5
+    # Open connections per worker process.
+    max_connections: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be at least 1024")
+        if self.max_headers < 8:
+            raise ValueError("max_headers must be at least 8")
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+
+
+# The scope key of a request's DisconnectNotice.
+DISCONNECT_NOTICE = "rankgate.disconnect"
+
+
+class DisconnectNotice:
+    """Calls its ``listener`` (once, if one is set) when the client's connection is gone
+    before the response is complete."""
+
+    __slots__ = ("listener",)
+
+    def __init__(self) -> None:
+        self.listener: Callable[[], None] | None = None
+
+    def fire(self) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            listener()
+
+
+def _client_left(cycle: Any) -> None:
+    notice = cycle.scope.get(DISCONNECT_NOTICE)
+    if notice is not None:
+        notice.fire()
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+def _answer(status: int, message: str, code: str, default_headers: list[Any]) -> bytes:
+    body = ApiError(status, message, code=code).body()
+    lines = [STATUS_LINE[status]]
+    for name, value in default_headers:
+        lines.extend([name, b": ", value, b"\r\n"])
+    lines.append(
+        b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        % len(body)
+    )
+    lines.append(body)
+    return b"".join(lines)
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with :class:`ConnectionLimits`; see the module docstring.
+
+    Build the class for a set of limits with :func:`protocol_class`.
+    """
+
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+    # One sweeper per server, keyed by its set of open connections.
+    _sweepers: ClassVar[dict[int, set[Any]]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._deadline = 0.0
+        self._refused = False
+
+    # ---- connection --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            log.warning(
+                "refused a connection: %d open, the cap is %d per worker",
+                len(self.connections) - 1,
+                self.limits.max_connections,
+            )
+            self._refuse(
+                503,
+                "The server has too many open connections; retry later.",
+                "too_many_connections",
+            )
+            return
+        self._deadline = self.loop.time() + self.limits.header_timeout
+        self._ensure_sweeper()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            _client_left(cycle)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            if self._in_head:
+                allowed = self.limits.max_header_bytes - self._head_bytes
+                if len(data) > allowed:
+                    # Parse what fits; the rest is only parsed if the head ended inside it.
+                    self.parser.feed_data(data[:allowed])
+                    if self._in_head:
+                        raise _HeadTooLarge
+                    data = data[allowed:]
+                else:
+                    self._head_bytes += len(data)
+            self.parser.feed_data(data)
+        except _HeadTooLarge:
+            self._head_too_large()
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):
+                self._head_too_large()
+            else:
+                raise
+        except httptools.HttpParserError:
+            log.info("refused a request that is not valid HTTP/1.1")
+            self._refuse(400, "Invalid HTTP request received.", "invalid_http")
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, msg, "invalid_http")
+
+    # ---- parser callbacks --------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        if len(self.headers) > self.limits.max_headers:
+            raise _HeadTooLarge
+        self._in_head = False
+        self._head_bytes = 0
+        self._deadline = self.loop.time() + self.limits.body_timeout
+        self.scope[DISCONNECT_NOTICE] = DisconnectNotice()  # type: ignore[literal-required]
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # The response is the app's to time; the next head's bytes count from here.
+        self._deadline = 0.0
+        self._in_head = True
+        if not self.pipeline:
+            # A body over uvicorn's high-water mark paused reading until the app read it; the
+            # connection is read on, so that a client that leaves is seen leaving. (Reading
+            # stays paused behind a pipelined request, as uvicorn has it.)
+            self.flow.resume_reading()
+
+    def on_response_complete(self) -> None:
+        waiting = not self.pipeline
+        super().on_response_complete()
+        if waiting and not self.transport.is_closing():
+            self._deadline = self.loop.time() + self.limits.header_timeout
+
+    # ---- refusals ----------------------------------------------------------------------
+
+    def _head_too_large(self) -> None:
+        limits = self.limits
+        log.info("refused a request whose headers are over the limits")
+        self._refuse(
+            431,
+            f"The request's headers are too large: at most {limits.max_header_bytes} bytes "
+            f"and {limits.max_headers} headers are accepted.",
+            "headers_too_large",
+        )
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer ``status`` unless a response has begun, then close the connection; a
+        request still running is told its client is gone."""
+        self._refused = True
+        self._deadline = 0.0
+        cycle = self.cycle
+        answered = cycle is not None and cycle.response_started and not cycle.response_complete
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+            _client_left(cycle)
+        if not answered and not self.transport.is_closing():
+            self.transport.write(_answer(status, message, code, self.server_state.default_headers))
+        self.transport.close()
+
+    def _expire(self) -> None:
+        if self._in_head:
+            if self._head_bytes == 0 and (self.cycle is None or self.cycle.response_complete):
+                self._refused = True
+                self._deadline = 0.0
+                self.transport.close()
+                return
+            self._refuse(
+                408,
+                f"The request's headers did not arrive within {self.limits.header_timeout:g}s.",
+                "request_timeout",
+            )
+            return
+        log.info("closed a connection whose request body was not complete in time")
+        self._refuse(
+            408,
+            f"The request's body did not arrive within {self.limits.body_timeout:g}s.",
+            "request_timeout",
+        )
+
+    # ---- the sweeper -------------------------------------------------------------------
+
+    def _ensure_sweeper(self) -> None:
+        key = id(self.connections)
+        if self._sweepers.get(key) is not self.connections:
+            self._sweepers[key] = self.connections
+            tick = self._tick()
+            self.loop.call_later(tick, _sweep, self.loop, self.connections, key, tick)
+
+    def _tick(self) -> float:
+        shortest = min(self.limits.header_timeout, self.limits.body_timeout)
+        return max(0.05, min(1.0, shortest / 4))
+
+
+def _sweep(loop: asyncio.AbstractEventLoop, connections: set[Any], key: int, tick: float) -> None:
+    now = loop.time()
+    for protocol in list(connections):
+        if isinstance(protocol, LimitedHttpToolsProtocol):
+            deadline = protocol._deadline
+            if deadline and deadline < now and not protocol.transport.is_closing():
+                protocol._expire()
+    sweepers = LimitedHttpToolsProtocol._sweepers
+    if connections and sweepers.get(key) is connections:
+        loop.call_later(tick, _sweep, loop, connections, key, tick)
+    elif sweepers.get(key) is connections:
+        del sweepers[key]
+
+
+def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class uvicorn builds one instance of per connection, with ``limits``."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+
+
+def uvicorn_config(app: Any, limits: ConnectionLimits, **options: Any) -> uvicorn.Config:
+    """The uvicorn configuration every gateway process serves with: uvloop, the limited
+    httptools protocol, and its keep-alive timeout; ``options`` add the rest.
+
+    uvicorn's proxy-headers middleware is off: it rewrites a request's client address and
+    scheme from ``X-Forwarded-*``, and the gateway reads neither, so it was a scan of every
+    request's headers for nothing. Nor does a response say ``server: uvicorn``."""
+    return uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=protocol_class(limits),
+        timeout_keep_alive=limits.keepalive_timeout,
+        proxy_headers=False,
+        server_header=False,
+        **options,
+    )

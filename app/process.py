@@ -1,0 +1,41 @@
+"""One gateway process: the app under uvicorn, on its own port or the supervisor's socket.
+
+``rankgate serve`` runs it directly, or as each of the ``--workers`` processes
+(:mod:`app.workers`).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from app.connections import uvicorn_config
+from app.server import create_app
+from app.settings import GatewaySettings
+from app.shutdown import BACKSTOP_S, GracefulServer
+from sidecar.routing.shared_load import SharedLoadBoard
+
+
+def serve_worker(
+    settings: GatewaySettings,
+    sockets: list[socket.socket] | None = None,
+    shared_load: SharedLoadBoard | None = None,
+) -> int:
+    """Serve until shut down; ``sockets`` and ``shared_load`` come from the ``--workers``
+    supervisor (:mod:`app.workers`). The exit status: 1 when startup failed."""
+    app = create_app(settings, shared_load=shared_load)
+    config = uvicorn_config(
+        app,
+        settings.connections,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        # The access log is app.access_log's structured line, not uvicorn's.
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        timeout_graceful_shutdown=int(settings.shutdown_grace + BACKSTOP_S),
+    )
+    server = GracefulServer(config, app.state.shutdown)
+    server.run(sockets=sockets)
+    # uvicorn returns normally when startup fails; report that as a failure.
+    return 0 if server.started else 1

@@ -1,0 +1,291 @@
+"""HTTP connection limits through raw sockets: oversized heads, slow and silent clients, the cap.
+
+Each test talks to a gateway served the way ``rankgate serve`` serves (``uvicorn_config``) with
+small limits, so that a limit is reached in well under a second.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from app.connections import ConnectionLimits
+from app.server import create_app
+from app.settings import GatewaySettings
+from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
+from tests.app.serving import serve_app
+from tests.conftest import TINY_TOKENIZER
+from tests.support.loop_probe import health_probe
+
+LIMITS = ConnectionLimits(
+    max_header_bytes=8192,
+    max_headers=32,
+    header_timeout=1.0,
+    body_timeout=1.0,
+    keepalive_timeout=1,
+    max_connections=8,
+)
+JSON = {"content-type": "application/json"}
+BODY = orjson.dumps(
+    {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+)
+
+
+@pytest.fixture(scope="module")
+def engine() -> ScriptedEngine:
+    return ScriptedEngine(scripted_info(TINY_TOKENIZER), TINY_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: ScriptedEngine) -> Iterator[str]:
+    app = create_app(GatewaySettings(connections=LIMITS), engine=engine)
+    with serve_app(app, connections=LIMITS) as url:
+        yield url
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def head(*extra: bytes, length: int = len(BODY)) -> bytes:
+    lines = [
+        b"POST /v1/chat/completions HTTP/1.1",
+        b"host: gateway",
+        b"content-type: application/json",
+        b"content-length: %d" % length,
+        *extra,
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, bytes, bool]:
+    """Status, body and whether the server then closed the connection."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response: {data!r}")
+        data += chunk
+    header, _, rest = data.partition(b"\r\n\r\n")
+    status = int(header.split(b" ", 2)[1])
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in header.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    try:
+        closed = sock.recv(1) == b""
+    except TimeoutError:
+        closed = False
+    return status, rest[:length], closed
+
+
+def still_serving(gateway: str) -> bool:
+    response = httpx.post(f"{gateway}/v1/chat/completions", content=BODY, headers=JSON)
+    return response.status_code == 200
+
+
+def error_code(body: bytes) -> str:
+    code: str = orjson.loads(body)["error"]["code"]
+    return code
+
+
+def test_a_huge_header_is_431_after_the_limit_not_after_the_upload(gateway: str) -> None:
+    with socket.create_connection(address(gateway)) as sock, health_probe(gateway) as probe:
+        sock.sendall(head()[:-2] + b"x-filler: ")
+        sent = 0
+        try:
+            for _ in range(200):  # 200 MiB if the server kept reading
+                sock.sendall(b"a" * (1 << 20))
+                sent += 1
+        except OSError:
+            pass
+        status, body, closed = read_response(sock)
+    assert status == 431
+    assert error_code(body) == "headers_too_large"
+    assert closed
+    assert sent < 200
+    assert probe.max_latency < 1.0
+    assert (
+        httpx.post(f"{gateway}/v1/chat/completions", content=BODY, headers=JSON).status_code == 200
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [
+        ([b"x-h%d: v" % i for i in range(LIMITS.max_headers)], 431),
+        ([b"x-h%d: v" % i for i in range(LIMITS.max_headers - 8)], 200),
+        ([b"x-big: " + b"b" * (LIMITS.max_header_bytes - 400)], 200),
+        ([b"x-big: " + b"b" * LIMITS.max_header_bytes], 431),
+    ],
+    ids=["too-many", "many", "large", "too-large"],
+)
+def test_header_count_and_size_limits(gateway: str, extra: list[bytes], status: int) -> None:
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head(*extra) + BODY)
+        got, body, _ = read_response(sock)
+    assert got == status, body
+    if status == 431:
+        assert error_code(body) == "headers_too_large"
+
+
+def test_a_body_sent_with_its_head_may_pass_the_header_limit(gateway: str) -> None:
+    big = orjson.dumps(
+        {
+            "model": SCRIPTED_MODEL,
+            "messages": [{"role": "user", "content": "x " * LIMITS.max_header_bytes}],
+            "max_tokens": 2,
+        }
+    )
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head(length=len(big)) + big)
+        status, body, _ = read_response(sock)
+    assert status in (200, 400), body  # 400: longer than the scripted context
+    assert error_code(body) != "headers_too_large" if status != 200 else True
+
+
+def test_slowloris_gets_408_at_the_header_deadline(gateway: str) -> None:
+    started = time.monotonic()
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        sock.settimeout(0.2)
+        answer = b""
+        for i in range(40):
+            try:
+                sock.sendall(b"x-slow-%d: v\r\n" % i)
+                answer = sock.recv(4096)
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+    elapsed = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert LIMITS.header_timeout <= elapsed < LIMITS.header_timeout + 3
+
+
+def test_a_silent_connection_is_closed_at_the_header_deadline(gateway: str) -> None:
+    started = time.monotonic()
+    with socket.create_connection(address(gateway)) as sock:
+        sock.settimeout(10)
+        assert sock.recv(4096) == b""
+    assert LIMITS.header_timeout <= time.monotonic() - started < LIMITS.header_timeout + 3
+
+
+def test_a_slow_body_gets_408_and_the_request_ends_as_a_client_disconnect(
+    gateway: str, engine: ScriptedEngine
+) -> None:
+    before = len(engine.requests)
+    started = time.monotonic()
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head())
+        sock.settimeout(0.2)
+        answer = b""
+        for byte in BODY[:-1]:
+            try:
+                sock.sendall(bytes([byte]))
+                answer = sock.recv(4096)
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert time.monotonic() - started < LIMITS.body_timeout + 3
+    assert len(engine.requests) == before
+    metrics = httpx.get(f"{gateway}/metrics").text
+    assert 'status="499"' in metrics
+
+
+def test_an_idle_keepalive_connection_is_closed(gateway: str) -> None:
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head() + BODY)
+        status, _, closed = read_response(sock, timeout=0.5)
+        assert status == 200
+        assert not closed
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(1) == b""
+    assert time.monotonic() - started < LIMITS.keepalive_timeout + 3
+
+
+def test_requests_on_one_keepalive_connection_still_work(gateway: str) -> None:
+    with socket.create_connection(address(gateway)) as sock:
+        for _ in range(3):
+            sock.sendall(head() + BODY)
+            status, body, _ = read_response(sock, timeout=0.5)
+            assert status == 200, body
+
+
+def test_a_response_does_not_name_the_server(gateway: str) -> None:
+    response = httpx.post(f"{gateway}/v1/chat/completions", content=BODY, headers=JSON)
+    assert response.status_code == 200
+    assert "server" not in response.headers
+
+
+def test_a_stream_outlives_the_header_deadline(gateway: str, engine: ScriptedEngine) -> None:
+    engine.delay = 0.15
+    try:
+        body = orjson.loads(BODY)
+        body.update(stream=True, max_tokens=16)
+        engine.outputs = ["one two three four five six seven eight nine ten eleven twelve"]
+        started = time.monotonic()
+        with httpx.stream(
+            "POST", f"{gateway}/v1/chat/completions", json=body, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data:")]
+        assert time.monotonic() - started > LIMITS.header_timeout
+        assert lines[-1] == "data: [DONE]"
+    finally:
+        engine.delay = 0.0
+        engine.outputs = ["Hello there."]
+
+
+def test_connections_past_the_cap_get_503_and_are_closed(gateway: str) -> None:
+    held: list[socket.socket] = []
+    try:
+        held.extend(
+            socket.create_connection(address(gateway)) for _ in range(LIMITS.max_connections)
+        )
+        # The probe's and this test's connections count too: find the first refused one.
+        refused = None
+        for _ in range(4):
+            extra = socket.create_connection(address(gateway))
+            held.append(extra)
+            extra.settimeout(2)
+            try:
+                data = extra.recv(4096)
+            except TimeoutError:
+                continue
+            refused = data
+            break
+        assert refused is not None
+        assert refused.startswith(b"HTTP/1.1 503"), refused
+        assert b"too_many_connections" in refused
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert (
+        httpx.post(f"{gateway}/v1/chat/completions", content=BODY, headers=JSON).status_code == 200
+    )
+
+
+def test_bytes_that_are_not_http_get_a_json_400(gateway: str) -> None:
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nx-bad: \x01\x02\r\n\r\n")
+        status, body, closed = read_response(sock)
+    assert status == 400
+    assert error_code(body) == "invalid_http"
+    assert closed

@@ -1,0 +1,200 @@
+"""Prefill/decode KV hand-off, the same facts on a mock pair and on a real pair over NIXL.
+
+A one-token prefill marked ``do_remote_decode`` finishes with ``kv_transfer_params`` whose
+numbers arrive as ``google.protobuf.Struct`` numbers (doubles), and forwarding them as they
+came serves the decode. The prefill side holds the prompt's KV until the decode side has read
+it, then frees it at once; KV that no decode reads is freed when the lease ends (vLLM's
+``kv_lease_duration``, 30 s; the mock pair runs with 3 s), and the prefill side says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from mocker.config import MockEngineConfig
+from mocker.testing import MockEngineHandle, running_mock_engine
+from sidecar.proto.vllm import inference_pb2
+from tests.conformance import helpers
+from tests.conftest import TINY_TOKENIZER
+from tests.support.polling import wait_until, wait_until_or_not
+from tests.support.ports import free_port
+from tests.support.real_vllm import KV_LEASE_S, LEASE_ENDED, RealVllm, RealVllmPair
+from tests.support.stalls import (
+    RERUN_ON_STALLS,
+    EngineStalled,
+    answered_in_time,
+    diagnosis,
+    stalled,
+)
+
+MOCK_LEASE_S = 3.0
+NUMBERS = ("remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens")
+
+
+@dataclass(frozen=True)
+class Side:
+    target: str
+    held: Callable[[], bool]
+    # Leases ended of the prefills whose request id starts with the one given (the mock pair
+    # serves one request at a time and counts all of them).
+    expired: Callable[[str], int]
+
+
+@dataclass(frozen=True)
+class PdPair:
+    kind: str
+    prefill: Side
+    decode: Side
+    lease_s: float
+    # What the engines and the machine were doing, for a stall's report.
+    diagnose: Callable[[], str]
+
+
+def _real_side(server: RealVllm) -> Side:
+    def expired(request_id: str) -> int:
+        return server.log_path.read_text(errors="replace").count(f"{LEASE_ENDED}{request_id}")
+
+    return Side(server.target, lambda: not server.blocks_free(), expired)
+
+
+def _mock_side(handle: MockEngineHandle) -> Side:
+    def stats() -> list[object]:
+        return [handle.stats(rank) for rank in handle.ranks]
+
+    return Side(
+        handle.target,
+        lambda: any(s.held_transfers for s in stats()),  # type: ignore[attr-defined]
+        lambda _: sum(s.leases_expired for s in stats()),  # type: ignore[attr-defined]
+    )
+
+
+def _mock_config(role: str) -> MockEngineConfig:
+    return MockEngineConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        dp_size=1,
+        block_size=32,
+        model="tiny-llama",
+        tokenizer=str(TINY_TOKENIZER),
+        speed=0.0,
+        max_model_len=512,
+        role=role,  # type: ignore[arg-type]
+        kv_lease_seconds=MOCK_LEASE_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def mock_pair() -> Iterator[PdPair]:
+    with (
+        running_mock_engine(_mock_config("prefill")) as prefill,
+        running_mock_engine(_mock_config("decode")) as decode,
+    ):
+        yield PdPair(
+            "mock",
+            _mock_side(prefill),
+            _mock_side(decode),
+            MOCK_LEASE_S,
+            lambda: f"prefill {prefill.stats(0)}; decode {decode.stats(0)}",
+        )
+
+
+@pytest.fixture(scope="module", params=["mock", pytest.param("real", marks=pytest.mark.real_vllm)])
+def pd_pair(request: pytest.FixtureRequest) -> PdPair:
+    if request.param == "mock":
+        pair: PdPair = request.getfixturevalue("mock_pair")
+        return pair
+    real: RealVllmPair = request.getfixturevalue("real_pd")
+    return PdPair(
+        "real",
+        _real_side(real.prefill),
+        _real_side(real.decode),
+        KV_LEASE_S,
+        lambda: diagnosis(real),
+    )
+
+
+def prefill(pair: PdPair, ids: list[int]) -> tuple[str, inference_pb2.GenerateResponse]:
+    """The request id and reply of a one-token prefill marked for a remote decode."""
+    request = helpers.make_request(ids, tag="prefill", max_new_tokens=1)
+    request.stopping.min_new_tokens = 1
+    request.kv.kv_transfer_params.update({"do_remote_decode": True})
+    with grpc.insecure_channel(pair.prefill.target) as channel:
+        return request.request_id, helpers.unary(channel, request)
+
+
+@dataclass(frozen=True)
+class Probe:
+    asked: float  # seconds since the case began
+    answered: float
+    held: bool
+
+
+def probe(side: Side, since: float) -> Probe:
+    asked = time.monotonic() - since
+    with answered_in_time(f"a probe asked {asked:.2f} s into the case"):
+        held = side.held()
+    return Probe(asked, time.monotonic() - since, held)
+
+
+def stalled_probes(pair: PdPair, what: str, probes: list[Probe]) -> EngineStalled:
+    return stalled(f"{what}: {probes}\n{pair.diagnose()}")
+
+
+@RERUN_ON_STALLS
+def test_forwarded_params_serve_the_decode_and_free_the_prefill_kv(pd_pair: PdPair) -> None:
+    wait_until(lambda: not pd_pair.prefill.held(), pd_pair.lease_s + 10)
+    ids = helpers.fresh_prompt(100)
+    leases_ended = pd_pair.prefill.expired("")
+    started = time.monotonic()
+    _, reply = prefill(pd_pair, ids)
+    params = reply.outputs.finish_info.kv_transfer_params
+    assert params["do_remote_prefill"] is True
+    for name in NUMBERS:
+        assert params.fields[name].WhichOneof("kind") == "number_value", name
+    after = probe(pd_pair.prefill, started)
+    ended = pd_pair.prefill.expired("") > leases_ended
+    late = after.answered >= pd_pair.lease_s * 0.8 or ended
+    if not after.held and late:
+        raise stalled_probes(pd_pair, "the KV read as free only once its lease had ended", [after])
+    assert after.held, f"the prefill's KV read as free before any decode: {after}"
+    request = helpers.make_request(ids, tag="decode", max_new_tokens=3)
+    request.kv.kv_transfer_params.CopyFrom(params)  # as they came: numbers stay doubles
+    with grpc.insecure_channel(pd_pair.decode.target) as channel:
+        generation = helpers.stream(channel, request)
+    assert generation.finish is not None
+    assert generation.finish.num_output_tokens == 3
+    freed = wait_until_or_not(lambda: not pd_pair.prefill.held(), pd_pair.lease_s / 2)
+    lease_ended = pd_pair.prefill.expired("") > leases_ended
+    if pd_pair.kind == "real" and (lease_ended or not freed):
+        # The decode above read all of it (num_output_tokens checked): the rest is the engines'.
+        raise stalled_probes(pd_pair, "the read KV was kept past half its lease", [])
+    assert freed, "the read KV was kept past half its lease"
+    assert not lease_ended, "a lease ended, not the read"
+
+
+@RERUN_ON_STALLS
+def test_kv_no_decode_reads_is_held_until_the_lease_ends(pd_pair: PdPair) -> None:
+    """The engine's own word dates the release (the mock's counter, vLLM's "Releasing expired
+    KV blocks" line); the KV reads as held at every sample answered well before it."""
+    wait_until(lambda: not pd_pair.prefill.held(), pd_pair.lease_s + 10)
+    started = time.monotonic()
+    rid, _ = prefill(pd_pair, helpers.fresh_prompt(100))
+    expired = pd_pair.prefill.expired(rid)
+    samples: list[Probe] = []
+    while pd_pair.prefill.expired(rid) == expired:
+        assert time.monotonic() - started < pd_pair.lease_s + 15, "the lease never ended"
+        samples.append(probe(pd_pair.prefill, started))
+        time.sleep(0.2)
+    released = time.monotonic() - started
+    assert released >= pd_pair.lease_s * 0.8
+    assert pd_pair.prefill.expired(rid) == expired + 1
+    early = [sample for sample in samples if sample.answered < pd_pair.lease_s * 0.8]
+    if not early:
+        raise stalled_probes(pd_pair, "no probe was answered before the lease's end", samples)
+    assert all(sample.held for sample in early), f"the KV read as free early: {samples}"
+    wait_until(lambda: not pd_pair.prefill.held(), 10)

@@ -1,0 +1,57 @@
+"""The demo engine that ``rankgate serve`` starts without ``--engine``: discoverable as a
+DP=2 vLLM with KV events and the shipped tokenizer, generating, and gone when its block ends."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from mocker.demo import DP_SIZE, MODEL, demo_engine, tiny_tokenizer_dir
+from sidecar.config import SidecarConfig
+from sidecar.engine import Sidecar
+from sidecar.types import PreparedRequest, SamplingParams, StoppingParams
+from tests.sidecar.routers import FixedRouter
+
+
+async def test_the_demo_engine_serves_as_a_dp_group_and_stops_with_its_block() -> None:
+    with demo_engine(speed=0.0) as demo:
+        assert demo.tokenizer == str(tiny_tokenizer_dir())
+        sidecar = Sidecar(SidecarConfig(endpoint=demo.target, startup_timeout=10), FixedRouter(1))
+        await sidecar.start()
+        try:
+            info = sidecar.info
+            assert info.served_model_name == MODEL
+            assert info.model_id == demo.tokenizer
+            assert info.ranks == tuple(range(DP_SIZE))
+            assert len(info.kv_event_sources) == DP_SIZE
+            request = PreparedRequest(
+                request_id="demo-1",
+                prompt_token_ids=(1, 2, 3),
+                sampling=SamplingParams(temperature=0.0),
+                stopping=StoppingParams(max_tokens=3, ignore_eos=True),
+            )
+            deltas = [delta async for delta in sidecar.generate(request)]
+        finally:
+            await sidecar.close()
+        assert deltas[0].rank == 1
+        assert sum(len(delta.token_ids) for delta in deltas) == 3
+        assert deltas[-1].finish_reason == "length"
+        host, port = demo.target.rsplit(":", 1)
+    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect((host, int(port)))
+
+
+async def test_an_operator_tokenizer_is_the_one_served(tmp_path: Path) -> None:
+    own = tmp_path / "tokenizer"
+    shutil.copytree(tiny_tokenizer_dir(), own)
+    with demo_engine(tokenizer=str(own), speed=0.0) as demo:
+        assert demo.tokenizer == str(own)
+        sidecar = Sidecar(SidecarConfig(endpoint=demo.target, startup_timeout=10), FixedRouter())
+        await sidecar.start()
+        try:
+            assert sidecar.info.model_id == str(own)
+        finally:
+            await sidecar.close()

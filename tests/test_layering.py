@@ -1,0 +1,144 @@
+"""Which packages may import which: data flows one way, no module needs one that needs it, and
+the product never depends on the mock's test handle.
+
+Imports are read from the source (lazy ones inside functions included), so a boundary holds
+whether or not the import ever runs in a test.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("app", "sidecar", "multimodal", "mocker")
+# Only tests and benches start the mock through its test handle.
+TEST_ONLY = ("mocker.testing",)
+# Lower layers never reach up.
+NEVER = {
+    "sidecar": ("app", "mocker"),
+    "multimodal": ("app", "sidecar.engine", "mocker"),
+    "mocker": ("app",),
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _reaches(name: str, target: str) -> bool:
+    return name == target or name.startswith(target + ".")
+
+
+def product_modules() -> list[Path]:
+    return sorted(
+        path
+        for package in PRODUCT
+        for path in (ROOT / package).rglob("*.py")
+        if "proto" not in path.relative_to(ROOT).parts and path.name != "testing.py"
+    )
+
+
+def test_imports_are_read_from_source(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text(
+        "import os.path\nfrom mocker import testing\n"
+        "def later():\n    from mocker.testing import running_mock_engine\n"
+    )
+    names = imports_of(module)
+    assert {"os.path", "mocker.testing", "mocker.testing.running_mock_engine"} <= names
+    assert any(_reaches(name, "mocker.testing") for name in names)
+
+
+@pytest.mark.parametrize("path", product_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_product_modules_keep_their_layer(path: Path) -> None:
+    package = path.relative_to(ROOT).parts[0]
+    forbidden = TEST_ONLY + NEVER.get(package, ())
+    wrong = sorted(
+        name for name in imports_of(path) for target in forbidden if _reaches(name, target)
+    )
+    assert not wrong, f"{path.relative_to(ROOT)} imports {wrong}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _related(a: str, b: str) -> bool:
+    """A package and its own submodules (its ``__init__`` gathering them) are one unit."""
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(path): path for path in product_modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        deps = set()
+        for imported in imports_of(path):
+            module = imported
+            while module and module not in paths:
+                module = module.rpartition(".")[0]
+            if module and module != name and not _related(module, name):
+                deps.add(module)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in graph[node]:
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(graph)))
+    try:
+        for node in graph:
+            if node not in index:
+                visit(node)
+    finally:
+        sys.setrecursionlimit(limit)
+    return found
+
+
+def test_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    """Type-only and lazy imports count: each hides a circle a reader still has to follow."""
+    assert cycles(import_graph()) == []
