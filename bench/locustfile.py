@@ -7,6 +7,9 @@ a KV-aware router has something to find. Besides locust's own table it records, 
 completion tokens) and ``LLM inter-token`` (mean gap between streamed tokens), and prints
 output tokens/s and TTFT percentiles when the run ends.
 
+It needs nothing but ``pip install locust`` (the standard library does its JSON); Pillow, a
+Rankgate dependency, only for ``--images`` above 0.
+
     .venv/bin/pip install -e '.[bench]'
     rankgate serve --port 8000 &        # or any OpenAI-compatible server
     .venv/bin/locust -f bench/locustfile.py --headless -H http://127.0.0.1:8000 \\
@@ -23,11 +26,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import random
 import time
 from typing import Any
 
-import orjson
 from locust import FastHttpUser, events, task
 from locust.env import Environment
 
@@ -89,7 +92,9 @@ class Workload:
             for g in range(max(1, options.prefix_groups))
             if options.shared_prefix_words > 0
         ]
-        self.pool = [_image(rng, options.image_size) for _ in range(IMAGE_POOL)]
+        # Text-only runs never touch Pillow.
+        pool = IMAGE_POOL if options.images > 0 and not options.unique_images else 0
+        self.pool = [_image(rng, options.image_size) for _ in range(pool)]
 
     def body(self, rng: random.Random, model: str) -> str:
         o = self.options
@@ -113,7 +118,7 @@ class Workload:
         }
         if o.stream:
             body["stream_options"] = {"include_usage": True}
-        return orjson.dumps(body).decode()
+        return json.dumps(body, separators=(",", ":"))
 
 
 _workload: Workload | None = None
@@ -193,7 +198,7 @@ class ChatUser(FastHttpUser):
             while line := raw.readline(b"\n"):
                 if not line.startswith(b"data: {"):
                     continue
-                event = orjson.loads(line[6:])
+                event = json.loads(line[6:])
                 choices = event.get("choices") or ()
                 if not first and any(c.get("delta", {}).get("content") for c in choices):
                     first = time.perf_counter() - started
