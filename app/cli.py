@@ -314,6 +314,13 @@ def _hardening_flags(d: GatewaySettings) -> tuple[Flag, ...]:
             int,
         ),
         Flag(
+            "--reject-unknown-fields",
+            d.limits.reject_unknown_fields,
+            "answer 400 to a request field Rankgate does not know, as OpenAI does, instead "
+            "of ignoring and logging it, as vLLM does (default: off)",
+            _bool,
+        ),
+        Flag(
             "--max-json-depth",
             d.limits.max_json_depth,
             "deepest JSON nesting accepted (default: %(default)s)",
@@ -439,6 +446,7 @@ def _hardening(args: argparse.Namespace) -> dict[str, Any]:
                 max_json_containers=args.max_json_containers,
                 max_json_items=args.max_json_items,
                 max_fanout=args.max_fanout,
+                reject_unknown_fields=args.reject_unknown_fields,
             ),
             "connections": ConnectionLimits(
                 max_header_bytes=args.max_header_bytes,

@@ -56,6 +56,8 @@ class InputLimits:
     max_json_items: int = 1 << 20
     # Engine streams one request may open: its prompts times n.
     max_fanout: int = 256
+    # A field no schema knows is a 400 instead of ignored (app/unknown_fields.py).
+    reject_unknown_fields: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

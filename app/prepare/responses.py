@@ -55,6 +55,7 @@ from app.schemas.responses_api import (
     ResponsesRequest,
     ToolChoiceFunction,
 )
+from app.unknown_fields import convert_ignoring_unknown, unknown_field
 
 _REFUSED = (
     ("background", "is not supported: responses run within the request (send false or omit it)"),
@@ -112,8 +113,11 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         )
 
 
-def input_items(value: str | list[dict[str, Any]]) -> list[InputItem]:
-    """``input`` as typed items; a message item may leave out its ``type``."""
+def input_items(
+    value: str | list[dict[str, Any]], *, ignore_unknown: bool = True
+) -> list[InputItem]:
+    """``input`` as typed items; a message item may leave out its ``type``. Fields no item
+    type knows are dropped (:mod:`app.unknown_fields`) unless ``ignore_unknown`` is off."""
     if isinstance(value, str):
         return [MessageItem(role="user", content=value)]
     if not value:
@@ -128,7 +132,12 @@ def input_items(value: str | list[dict[str, Any]]) -> list[InputItem]:
                 f"'{kind}' is not supported; input items may be " + ", ".join(INPUT_ITEM_TYPES),
             )
         try:
-            items.append(msgspec.convert(raw, item_type))
+            try:
+                items.append(msgspec.convert(raw, item_type))
+            except msgspec.ValidationError as exc:
+                if not ignore_unknown or unknown_field(exc) is None:
+                    raise
+                items.append(convert_ignoring_unknown(raw, item_type, exc, "input"))
         except msgspec.ValidationError as exc:
             text = str(exc).replace("`$", f"`$.input[{i}]", 1)
             if "`$" not in str(exc):
@@ -274,11 +283,13 @@ def _user_parts(parts: list[Any], where: str) -> list[TextPart | ImageUrlPart]:
     return out
 
 
-def chat_request(req: ResponsesRequest, history: Sequence[Message]) -> ResponsesTurn:
+def chat_request(
+    req: ResponsesRequest, history: Sequence[Message], *, ignore_unknown: bool = True
+) -> ResponsesTurn:
     """The chat request ``req`` stands for, after the stored ``history`` it follows."""
     refuse_unsupported(req)
     conversation = _Conversation(history)
-    for i, item in enumerate(input_items(req.input)):
+    for i, item in enumerate(input_items(req.input, ignore_unknown=ignore_unknown)):
         conversation.add(item, "input" if isinstance(req.input, str) else f"input[{i}]")
     messages = conversation.messages
     sources = conversation.sources

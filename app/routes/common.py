@@ -17,6 +17,7 @@ from app.metrics import GatewayMetrics
 from app.prepare.chat import ChatPreparer, PreparedChat
 from app.prepare.rank import RANK_HEADER, rank_from_header
 from app.respond.merge import Primed, close_stream, prime
+from app.unknown_fields import decode_ignoring_unknown, unknown_field
 from sidecar.errors import EngineUnavailable
 from sidecar.types import Delta
 
@@ -42,7 +43,8 @@ def metrics_of(request: Request) -> GatewayMetrics:
 
 async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
     """The body as ``decoder``'s type, after its content type, size and shape are checked;
-    its size in bytes is kept for :func:`body_size`."""
+    its size in bytes is kept for :func:`body_size`. Fields no schema knows are ignored, as
+    vLLM does, unless the operator asked for them to be refused."""
     limits: InputLimits = request.app.state.limits
     check_content_type(request)
     body = await read_body(request, limits.max_body_bytes)
@@ -51,7 +53,12 @@ async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> A
     await check_shape(body, limits)
     request.scope[_BODY_SIZE] = len(body)
     try:
-        return decoder.decode(body)
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            if limits.reject_unknown_fields or unknown_field(exc) is None:
+                raise
+            return decode_ignoring_unknown(body, decoder, exc)
     except msgspec.MsgspecError as exc:
         raise from_decode_error(exc) from None
     except RecursionError:

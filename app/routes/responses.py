@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from app.errors import ApiError
+from app.limits import InputLimits
 from app.observe import RequestRecord, Tracked, observer_of
 from app.prepare.responses import chat_request, renamed
 from app.respond.document import JsonDocument
@@ -72,7 +73,8 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     history: list[Message] = []
     if req.previous_response_id is not None:
         history = store.conversation(req.previous_response_id)
-    turn = chat_request(req, history)
+    limits: InputLimits = request.app.state.limits
+    turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
     trace = record.trace
     work = gateway.chat.prepare(

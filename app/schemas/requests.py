@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI endpoints, with vLLM's extensions that Rankgate honours.
 
-Structs forbid unknown fields, as OpenAI does, so a misspelt parameter is a 400 naming it
-rather than a silently ignored knob. Range limits live in the types (``Meta``), which makes
-msgspec reject them while decoding and publishes them in the OpenAPI schema at once.
+Structs forbid unknown fields, so the common decode is one strict pass and the strict mode
+(``--reject-unknown-fields``) can name a misspelt parameter in a 400; by default
+:mod:`app.unknown_fields` drops and logs them afterwards, as vLLM does. Range limits live
+in the types (``Meta``), which makes msgspec reject them while decoding and publishes them in
+the OpenAPI schema at once.
 """
 
 from __future__ import annotations

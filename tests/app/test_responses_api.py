@@ -148,7 +148,6 @@ def test_a_failure_mid_stream_is_response_failed(scripted: ScriptedEngine, scrip
             {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
             "tool_choice.type",
         ),
-        ({"modalities": ["text"]}, "modalities"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
