@@ -45,8 +45,11 @@ def test_hot_routes_enter_at_the_outermost_operator_middleware() -> None:
         )
         assert broken.status_code == 400
         assert broken.json()["error"]["code"] == "invalid_json"
-        streamed = http.post("/v1/completions", json={**CHAT, "prompt": "x", "stream": True})
-        assert streamed.status_code == 400  # messages is not a completions field
+        streamed = http.post(
+            "/v1/completions", json={"model": CHAT["model"], "prompt": "x", "stream": True, "n": 0}
+        )
+        assert streamed.status_code == 400
+        assert streamed.json()["error"]["param"] == "n"
         # Other routes keep the framework's stack: its 404 and its method checks.
         assert http.get("/v1/models").status_code == 200
         assert http.get("/v1/chat/completions").status_code == 405
