@@ -81,16 +81,40 @@ class Emitted:
     eos: bool
 
 
-def context_key(prompt: list[int], lora: str, model_seed: int) -> int:
-    """The model's context: the same prompt under the same adapter continues the same way."""
+def context_key(prompt: list[int], lora: str, model_seed: int, end: int | None = None) -> int:
+    """The model's context: the same prompt under the same adapter continues the same way.
+
+    ``end`` keys the prompt's first ``end`` tokens without copying them."""
+    if end is None:
+        end = len(prompt)
     digest = hashlib.blake2b(digest_size=8, salt=model_seed.to_bytes(8, "little", signed=True))
-    digest.update(len(prompt).to_bytes(4, "little"))
-    tail = array("I", prompt[-512:])
+    digest.update(end.to_bytes(4, "little"))
+    tail = array("I", prompt[max(0, end - 512) : end])
     if _BIG_ENDIAN:
         tail.byteswap()
     digest.update(tail)
     digest.update(lora.encode())
     return int.from_bytes(digest.digest(), "little")
+
+
+def prompt_logprobs(
+    model: TokenModel, prompt: list[int], lora: str, model_seed: int, top_n: int
+) -> list[TokenInfo]:
+    """Each prompt token after the first, scored as the model would score it as the first
+    output after the tokens before it: prompt and output logprobs come from one model.
+
+    Costs a context hash per position, so it is computed only when asked for.
+    """
+    infos: list[TokenInfo] = []
+    for position in range(1, len(prompt)):
+        ctx = TokenModel.context(context_key(prompt, lora, model_seed, position), 0)
+        token = prompt[position]
+        rank = model.rank_of(ctx, token)
+        candidates = tuple(
+            (model.token_at(ctx, k), model.raw_logprob(k), k) for k in range(1, top_n + 1)
+        )
+        infos.append(TokenInfo(token, model.raw_logprob(rank), rank, candidates))
+    return infos
 
 
 def sample_seed(key: int, seed: int | None) -> bytes:

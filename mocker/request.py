@@ -29,6 +29,8 @@ _RANK_ERROR = "x-data-parallel-rank metadata must be an unsigned 32-bit integer"
 class ResponseShape:
     prompt_token_ids: bool
     prompt_logprobs: bool
+    # Candidates per prompt position (``prompt_candidates.top_n``), with prompt_logprobs only.
+    prompt_top_n: int
     output_text: bool
     output_token_ids: bool
     output_logprobs: bool
@@ -277,11 +279,15 @@ def _value(value: Any) -> Any:
 
 def _shape(req: inference_pb2.GenerateRequest) -> ResponseShape:
     if not req.HasField("response"):
-        return ResponseShape(False, False, True, False, False)
+        return ResponseShape(False, False, 0, True, False, False)
     r = req.response
+    top_n = 0
+    if r.prompt_logprobs and r.prompt_candidates.WhichOneof("select") == "top_n":
+        top_n = r.prompt_candidates.top_n
     return ResponseShape(
         prompt_token_ids=r.prompt_token_ids,
         prompt_logprobs=r.prompt_logprobs,
+        prompt_top_n=top_n,
         output_text=r.output_text if r.HasField("output_text") else True,
         output_token_ids=r.output_token_ids,
         output_logprobs=r.output_logprobs,

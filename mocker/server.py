@@ -27,7 +27,7 @@ from mocker.group import DpGroup
 from mocker.h2server import H2Server
 from mocker.media import ImagePolicy, MediaResolver
 from mocker.model import TokenModel
-from mocker.output import Emitted, Finish
+from mocker.output import Emitted, Finish, prompt_logprobs
 from mocker.request import MockRequest, RequestValidator, parse_rank
 from mocker.status import RpcStatus
 from mocker.vocab import Vocabulary, load_vocabulary
@@ -193,7 +193,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         finally:
             if not handle.outbox.finished:
                 engine.abort(handle.request_id)
-        response = inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle))
+        response = inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle, self._server))
         _fill_output(response.outputs, handle, collected)
         return response
 
@@ -206,7 +206,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(status.code, status.message)
         outbox = handle.outbox
         try:
-            yield inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle))
+            yield inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle, self._server))
             while True:
                 try:
                     items = await outbox.take()
@@ -220,19 +220,26 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 engine.abort(handle.request_id)
 
 
-def _prompt_info(handle: EngineRequest) -> inference_pb2.PromptInfo:
+def _prompt_info(handle: EngineRequest, server: MockServer) -> inference_pb2.PromptInfo:
     req = handle.req
     info = inference_pb2.PromptInfo(num_prompt_tokens=len(req.prompt))
     if req.shape.prompt_token_ids:
         info.token_ids.extend(req.prompt)
     if req.shape.prompt_logprobs:
+        # As vLLM: a placeholder for the first token (0.0, rank 0, no candidates), then one
+        # entry per token; candidates only when prompt_candidates asks for them.
         info.logprobs.append(0.0)
         info.ranks.append(0)
         info.candidate_tokens.add()
-        for token in req.prompt[1:]:
-            info.logprobs.append(-0.5 - (token % 61) / 20.0)
-            info.ranks.append(1 + token % 7)
-            info.candidate_tokens.add()
+        scored = prompt_logprobs(
+            server.model, req.prompt, req.lora, server.config.seed, req.shape.prompt_top_n
+        )
+        for entry in scored:
+            info.logprobs.append(entry.logprob)
+            info.ranks.append(entry.rank)
+            candidates = info.candidate_tokens.add()
+            for token_id, logprob, rank in entry.candidates:
+                candidates.tokens.add(id=token_id, logprob=logprob, rank=rank)
     return info
 
 

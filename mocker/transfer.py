@@ -60,9 +60,10 @@ def check(
 ) -> None:
     """Refuse (INVALID_ARGUMENT) what the engine's role cannot serve.
 
-    ``prefill`` takes only requests marked ``do_remote_decode``; ``decode`` only remote
-    prefills whose params carry a digest matching this very prompt. ``both`` serves anything
-    and checks a digest only when one is present (hand-made params in tests carry none).
+    ``prefill`` takes only requests marked ``do_remote_decode``; ``decode`` takes remote
+    prefills whose params carry a digest matching this very prompt, and prefills a request
+    without them itself. ``both`` serves anything and checks a digest only when one is
+    present (hand-made params in tests carry none).
     """
     params = params or {}
     remote_prefill = bool(params.get("do_remote_prefill"))
@@ -78,11 +79,7 @@ def check(
             )
         return
     if not remote_prefill:
-        if role == "decode":
-            raise invalid_argument(
-                "this engine only decodes (kv_consumer): the request needs the "
-                "kv_transfer_params of a prefill engine"
-            )
+        # As vLLM's NIXL consumer: a request without remote-prefill params is prefilled here.
         return
     digest = params.get(DIGEST_KEY)
     if digest is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sidecar.errors import EngineFailure, InvalidRequest
+from sidecar.errors import BadEngineResponse, EngineFailure, InvalidRequest
 from sidecar.proto.vllm import inference_pb2 as pb
 from sidecar.routing.hashing import tagged_salt
 from sidecar.types import (
@@ -145,7 +145,8 @@ def _stopping(stopping: StoppingParams) -> pb.StoppingCriteria:
 @functools.lru_cache(maxsize=64)
 def _response(output: OutputOptions) -> pb.ResponseOptions:
     message = pb.ResponseOptions(
-        prompt_token_ids=output.prompt_token_ids,
+        # Prompt logprobs are paired with the engine's own prompt ids (images expanded).
+        prompt_token_ids=output.prompt_token_ids or output.prompt_logprobs is not None,
         output_text=True,
         output_token_ids=True,
         skip_special_tokens=output.skip_special_tokens,
@@ -156,6 +157,14 @@ def _response(output: OutputOptions) -> pb.ResponseOptions:
         message.output_logprobs = True
         if output.logprobs > 0:
             message.output_candidates.top_n = output.logprobs
+    if output.prompt_logprobs is not None:
+        if output.prompt_logprobs < 0:
+            raise InvalidRequest(
+                f"prompt_logprobs must not be negative, got {output.prompt_logprobs}"
+            )
+        message.prompt_logprobs = True
+        if output.prompt_logprobs > 0:
+            message.prompt_candidates.top_n = output.prompt_logprobs
     return message
 
 
@@ -296,7 +305,14 @@ class DeltaDecoder:
     choice's first real delta instead of producing an empty delta of their own.
     """
 
-    __slots__ = ("_first", "_prompt_token_ids", "_prompt_tokens", "_want_logprobs", "index")
+    __slots__ = (
+        "_first",
+        "_prompt_logprobs",
+        "_prompt_token_ids",
+        "_prompt_tokens",
+        "_want_logprobs",
+        "index",
+    )
 
     def __init__(self, index: int, want_logprobs: bool) -> None:
         self.index = index
@@ -306,6 +322,7 @@ class DeltaDecoder:
         self._first = True
         self._prompt_tokens: int | None = None
         self._prompt_token_ids: tuple[int, ...] | None = None
+        self._prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def feed(self, response: pb.GenerateResponse) -> Delta | None:
         """The delta this response contributes, or None when it carries nothing to emit yet."""
@@ -317,6 +334,8 @@ class DeltaDecoder:
             prompt_ids = info.token_ids[:]
             if prompt_ids:
                 self._prompt_token_ids = tuple(prompt_ids)
+            if info.logprobs:
+                self._prompt_logprobs = prompt_logprobs(info)
         self._first = False
         output = response.outputs
         token_ids = output.token_ids[:]
@@ -328,8 +347,10 @@ class DeltaDecoder:
         if self._prompt_tokens is not None:
             delta.prompt_tokens = self._prompt_tokens
             delta.prompt_token_ids = self._prompt_token_ids
+            delta.prompt_logprobs = self._prompt_logprobs
             self._prompt_tokens = None
             self._prompt_token_ids = None
+            self._prompt_logprobs = None
         if self._want_logprobs and token_ids:
             delta.logprobs = _logprobs(output)
         if finished:
@@ -354,6 +375,30 @@ def _logprobs(output: pb.SequenceOutput) -> tuple[TokenLogprob, ...]:
                 top,
             )
         )
+    return tuple(result)
+
+
+def prompt_logprobs(info: pb.PromptInfo) -> tuple[TokenLogprob | None, ...]:
+    """The prompt's logprobs, paired with its token ids; the first token's is None.
+
+    vLLM sends a placeholder for the first token (logprob 0.0, rank 0, no candidates): nothing
+    precedes it to score it, and vLLM's OpenAI server answers null there.
+    """
+    token_ids = info.token_ids[:]
+    logprobs = info.logprobs[:]
+    ranks = info.ranks[:]
+    candidates = info.candidate_tokens[:]
+    if len(logprobs) != len(token_ids) or len(ranks) != len(token_ids):
+        raise BadEngineResponse(
+            f"the engine sent {len(logprobs)} prompt logprobs and {len(ranks)} ranks for "
+            f"{len(token_ids)} prompt tokens"
+        )
+    result: list[TokenLogprob | None] = [None]
+    for position in range(1, len(token_ids)):
+        top: tuple[tuple[int, float, int], ...] = ()
+        if position < len(candidates):
+            top = tuple((t.id, t.logprob, t.rank) for t in candidates[position].tokens[:])
+        result.append(TokenLogprob(token_ids[position], logprobs[position], ranks[position], top))
     return tuple(result)
 
 

@@ -189,6 +189,16 @@ class DisaggregatedEngine:
             )
         if request.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {request.n}")
+        if request.output.prompt_logprobs is not None:
+            # Prompt logprobs come out of a prefill's forward pass, and vLLM's transfer moves
+            # KV, not logprobs: such a request is prefilled where it decodes.
+            local = self._decode.generate(request)
+            try:
+                async for delta in local:
+                    yield delta
+            finally:
+                await local.aclose()
+            return
         if request.n == 1:
             pipeline = self._choice(request, 0)
         else:

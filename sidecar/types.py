@@ -43,9 +43,12 @@ class OutputOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine should return besides text.
 
     ``logprobs`` is None for none, 0 for the sampled token's logprob only, k for k candidates.
+    ``prompt_logprobs`` asks the same of every prompt token (the engine's prefill computes
+    them; they cannot be recomputed afterwards), and implies the prompt's token ids.
     """
 
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     prompt_token_ids: bool = False
     skip_special_tokens: bool = True
 
@@ -164,6 +167,9 @@ class Delta(msgspec.Struct, kw_only=True, gc=False):
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_tokens: int | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    # On a choice's first delta, when asked for: one entry per prompt token (of the expanded
+    # prompt, as the engine saw it), None for the first, which has no context to score it.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     completion_tokens: int | None = None
     finish_reason: FinishReason | None = None
     # The stop string or token id that ended the choice, as vLLM reports it.

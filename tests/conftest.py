@@ -106,6 +106,7 @@ def real_vllm(real_engines: RealEngines) -> EngineUnderTest:
         tokenizer_dir=server.model_dir,
         kv_events_base_port=server.kv_events_base_port,
         kv_replay_base_port=server.kv_replay_base_port,
+        http_url=server.http_url,
     )
 
 

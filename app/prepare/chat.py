@@ -14,6 +14,7 @@ from app.limits import InputLimits, check_engine_json, check_fanout, check_json_
 from app.prepare.media import MediaHook
 from app.prepare.params import (
     check_context,
+    prompt_logprobs_of,
     refuse_unfitting_text,
     refuse_unsupported,
     sampling_params,
@@ -87,6 +88,7 @@ class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
     plan: OutputPlan
     prompt_len: int
     top_logprobs: int | None
+    prompt_logprobs: int | None = None
     # The client's max_tokens / max_completion_tokens, and the context it was checked against.
     # While an image's expanded size is unknown the check used one token for it; the engine's
     # expanded count finishes the check (:meth:`ChatPreparer.observe`).
@@ -300,6 +302,7 @@ class ChatPreparer:
             max_param=max_param,
         )
         top = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = prompt_logprobs_of(req)
         skip_special = req.skip_special_tokens and not plan.needs_special_tokens
         prepared = PreparedRequest(
             request_id=request_id,
@@ -309,6 +312,7 @@ class ChatPreparer:
             # vLLM's expanded prompt shows each new image's size run by run.
             output=OutputOptions(
                 logprobs=top,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=skip_special,
                 prompt_token_ids=not counts_known and self._image_token is not None,
             ),
@@ -328,6 +332,7 @@ class ChatPreparer:
             plan=plan,
             prompt_len=len(ids),
             top_logprobs=top,
+            prompt_logprobs=prompt_logprobs,
             requested=requested,
             max_model_len=max_model_len,
             counts_known=counts_known,

@@ -10,6 +10,7 @@ from app.errors import invalid, unsupported
 from app.limits import InputLimits, check_engine_json, check_fanout
 from app.prepare.params import (
     check_token_ids,
+    prompt_logprobs_of,
     refuse_unfitting_text,
     refuse_unsupported,
     sampling_params,
@@ -39,6 +40,12 @@ class PreparedCompletion:
     prompt_lengths: tuple[int, ...]
     echo: tuple[str, ...] | None
     top_logprobs: int | None
+    # Candidates per prompt token, when the prompt's logprobs were asked for (``echo`` with
+    # ``logprobs``, or ``prompt_logprobs``).
+    prompt_logprobs: int | None = None
+    # ``echo`` with ``max_tokens: 0``: the engine generates one token (vLLM reads 0 as its
+    # default), and the answer is the prompt alone, as vLLM's server answers it.
+    echo_only: bool = False
 
 
 _JUST_INT = {int}
@@ -114,8 +121,8 @@ class CompletionPreparer:
         rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "is supported only when equal to n")
-        if req.echo and req.logprobs is not None:
-            raise unsupported("echo", "cannot be combined with logprobs (no prompt logprobs)")
+        if req.max_tokens == 0 and not req.echo:
+            raise invalid("'max_tokens' may be 0 only with 'echo'", "max_tokens")
         if req.kv_transfer_params:
             check_engine_json(req.kv_transfer_params, "kv_transfer_params")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -184,8 +191,14 @@ class CompletionPreparer:
     ) -> PreparedCompletion:
         sampling = sampling_params(req, self._tok.vocab_size)
         structured = structured_output(req, self._limits)
-        output = OutputOptions(logprobs=req.logprobs, skip_special_tokens=req.skip_special_tokens)
-        requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        prompt_logprobs = prompt_logprobs_of(req, default=req.logprobs if req.echo else None)
+        output = OutputOptions(
+            logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        echo_only = req.max_tokens == 0
+        requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
         requests: list[PreparedRequest] = []
         for i, ids in enumerate(token_prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -229,4 +242,6 @@ class CompletionPreparer:
             prompt_lengths=tuple(len(ids) for ids in token_prompts),
             echo=echo,
             top_logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            echo_only=echo_only,
         )

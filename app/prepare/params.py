@@ -9,6 +9,7 @@ a 400 naming the field.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Collection
 from operator import attrgetter
 from typing import Any
@@ -24,9 +25,10 @@ from app.schemas.requests import (
 )
 from sidecar.types import SamplingParams, StoppingParams, StructuredOutput
 
+log = logging.getLogger(__name__)
+
 _REFUSED_COMMON = (
     ("use_beam_search", "is not supported: beam search is not offered by this gateway"),
-    ("prompt_logprobs", "is not supported"),
     ("bad_words", "is not supported"),
     ("logits_processors", "is not supported"),
     ("vllm_xargs", "is not supported"),
@@ -57,6 +59,34 @@ def refuse_unsupported(req: SamplingFields, extra: tuple[tuple[str, str], ...] =
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             "stream_options",
         )
+
+
+# The most candidates vLLM returns per position (its default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
+
+def prompt_logprobs_of(req: SamplingFields, *, default: int | None = None) -> int | None:
+    """How many candidates to return per prompt token (None: no prompt logprobs), as vLLM
+    reads ``prompt_logprobs``; ``default`` stands in when the field is absent (completions'
+    ``echo`` with ``logprobs``)."""
+    value = req.prompt_logprobs
+    if value is None:
+        return default
+    if value == -1:
+        raise unsupported(
+            "prompt_logprobs",
+            "-1 (every token of the vocabulary, per prompt token) is not supported; "
+            f"ask for at most {MAX_LOGPROBS}",
+        )
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(
+            f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got {value}",
+            "prompt_logprobs",
+        )
+    if req.stream:
+        # vLLM's own rule and message: prompt logprobs come only in a whole response.
+        raise invalid("prompt_logprobs are not available when stream=true.", "prompt_logprobs")
+    return value
 
 
 def check_token_ids(
@@ -200,6 +230,39 @@ def _json_spec(value: str | dict[str, object], param: str, limits: InputLimits) 
     return orjson.dumps(value).decode()
 
 
+# vLLM removed these in favour of ``structured_outputs``; its server now ignores them with a
+# warning, leaving output unconstrained. Rankgate still applies the four constraints (a client
+# written for an older vLLM keeps its constrained output) and warns the same way.
+REMOVED_GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+_warned_removed: set[str] = set()
+
+
+def warn_removed_fields(req: SamplingFields) -> None:
+    """vLLM's warning for its removed guided-decoding fields, once per field name."""
+    used = [
+        name
+        for name in REMOVED_GUIDED_FIELDS
+        if getattr(req, name) is not None and name not in _warned_removed
+    ]
+    if not used:
+        return
+    _warned_removed.update(used)
+    log.warning(
+        "Request contains the guided-decoding field(s) %s, which vLLM has removed (its server "
+        "ignores them, leaving output unconstrained). Rankgate still applies guided_json, "
+        "guided_regex, guided_choice and guided_grammar, and ignores the backend and "
+        "whitespace options. Use `structured_outputs` (or `response_format`) instead.",
+        used,
+    )
+
+
 def structured_output(
     req: SamplingFields, limits: InputLimits = _DEFAULT_LIMITS
 ) -> StructuredOutput | None:
@@ -256,6 +319,12 @@ def structured_output(
                 "structured_outputs",
             )
         found.append(("structured_outputs", inner[0]))
+    if (
+        req.guided_decoding_backend is not None
+        or req.guided_whitespace_pattern is not None
+        or any(name.startswith("guided_") for name, _ in found)
+    ):
+        warn_removed_fields(req)
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise invalid(

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from app.respond.context import ResponseContext
+from app.respond.logprobs import LogprobFormatter
 from app.respond.parsers import ChoiceParser, Parsed
 from app.respond.usage import UsageCounter
 from app.schemas.responses import (
@@ -20,6 +21,7 @@ from app.schemas.responses import (
     CompletionChoice,
     CompletionLogprobs,
     FunctionCallOut,
+    PromptLogprobs,
     ToolCallOut,
 )
 from sidecar.types import Delta, TokenLogprob
@@ -28,7 +30,15 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class _Choice:
-    __slots__ = ("finish_reason", "kv_transfer_params", "logprobs", "stop_reason", "text")
+    __slots__ = (
+        "finish_reason",
+        "kv_transfer_params",
+        "logprobs",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "stop_reason",
+        "text",
+    )
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -36,6 +46,8 @@ class _Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self.prompt_token_ids: tuple[int, ...] = ()
 
 
 async def _gather(
@@ -43,13 +55,18 @@ async def _gather(
 ) -> tuple[list[_Choice], UsageCounter]:
     choices = [_Choice() for _ in range(ctx.choices)]
     usage = UsageCounter(ctx)
+    output = not ctx.echo_only
     async for delta in deltas:
         usage.add(delta)
         choice = choices[delta.index]
-        if delta.text:
-            choice.text.append(delta.text)
-        if delta.logprobs:
-            choice.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+            choice.prompt_token_ids = delta.prompt_token_ids or ()
+        if output:
+            if delta.text:
+                choice.text.append(delta.text)
+            if delta.logprobs:
+                choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
@@ -99,6 +116,9 @@ async def chat_completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) ->
         usage=usage.usage(),
         kv_transfer_params=_transfer_params(gathered),
     )
+    if ctx.prompt_logprobs is not None:
+        # One prompt, so one list, at the top as vLLM puts it (every choice's is the same).
+        body.prompt_logprobs = _prompt_logprobs(ctx, gathered[0])
     return _ENCODER.encode(body)
 
 
@@ -134,26 +154,17 @@ async def completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> byte
         prefix = ctx.echo[index // ctx.n] if ctx.echo is not None else ""
         logprobs: CompletionLogprobs | None = None
         if ctx.logprobs is not None:
-            logprobs = CompletionLogprobs(
-                tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
-            )
-            ctx.logprobs.completion(
-                choice.logprobs,
-                len(prefix),
-                logprobs.tokens,
-                logprobs.token_logprobs,
-                logprobs.top_logprobs,
-                logprobs.text_offset,
-            )
-        choices.append(
-            CompletionChoice(
-                index=index,
-                text=prefix + "".join(choice.text),
-                logprobs=logprobs,
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-            )
+            logprobs = _completion_logprobs(ctx.logprobs, choice, prefix, echo=ctx.echo is not None)
+        out = CompletionChoice(
+            index=index,
+            text=prefix + "".join(choice.text),
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
         )
+        if ctx.prompt_logprobs is not None:
+            out.prompt_logprobs = _prompt_logprobs(ctx, choice)
+        choices.append(out)
     body = Completion(
         id=ctx.response_id,
         created=ctx.created,
@@ -163,3 +174,23 @@ async def completion(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> byte
         kv_transfer_params=_transfer_params(gathered),
     )
     return _ENCODER.encode(body)
+
+
+def _completion_logprobs(
+    fmt: LogprobFormatter, choice: _Choice, prefix: str, *, echo: bool
+) -> CompletionLogprobs:
+    """The choice's ``logprobs``; an echoed prompt's own come first, as in vLLM."""
+    logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    lists = (logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset)
+    offset = len(prefix)
+    if echo and choice.prompt_logprobs is not None:
+        offset = fmt.completion_prompt(choice.prompt_token_ids, choice.prompt_logprobs, *lists)
+    fmt.completion(choice.logprobs, offset, *lists)
+    return logprobs
+
+
+def _prompt_logprobs(ctx: ResponseContext, choice: _Choice) -> PromptLogprobs | None:
+    fmt = ctx.prompt_logprobs
+    if fmt is None or choice.prompt_logprobs is None:
+        return None
+    return fmt.prompt(choice.prompt_logprobs)

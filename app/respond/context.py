@@ -27,8 +27,13 @@ class ResponseContext(msgspec.Struct, frozen=True, kw_only=True):
     continuous_usage: bool = False
     logprobs: LogprobFormatter | None = None
     plan: OutputPlan = NO_PARSING
+    # The prompt's logprobs, when asked for, with this many candidates per token: vLLM's
+    # ``prompt_logprobs`` list, and with ``echo`` and ``logprobs`` the start of ``logprobs``.
+    prompt_logprobs: LogprobFormatter | None = None
     # Completions ``echo``: the prompt text to put before each choice's output, per prompt.
     echo: tuple[str, ...] | None = None
+    # ``echo`` with ``max_tokens: 0``: the prompt alone; the engine's one token is dropped.
+    echo_only: bool = False
 
     @property
     def choices(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.prepare.tokenizer import TextTokenizer
-from app.schemas.responses import ChatTokenLogprob, TopLogprob
+from app.schemas.responses import ChatTokenLogprob, PromptLogprob, PromptLogprobs, TopLogprob
 from sidecar.types import TokenLogprob
 
 # JSON has no -inf; vLLM clamps to this value too.
@@ -66,3 +66,52 @@ class LogprobFormatter:
             text_offset.append(offset)
             offset += len(text)
         return offset
+
+    def completion_prompt(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None],
+        tokens: list[str],
+        token_logprobs: list[float | None],
+        top_logprobs: list[dict[str, float] | None],
+        text_offset: list[int],
+    ) -> int:
+        """An echoed prompt's entries, first in ``logprobs`` as vLLM writes them: the first
+        token has null logprobs. Offsets count from the prompt's start; returns the next."""
+        offset = 0
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            if entry is None:
+                text, _ = self.token(token_id)
+                tokens.append(text)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                text_offset.append(offset)
+                offset += len(text)
+            else:
+                offset = self.completion(
+                    (entry,), offset, tokens, token_logprobs, top_logprobs, text_offset
+                )
+        return offset
+
+    def prompt(self, entries: Sequence[TokenLogprob | None]) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs``: each position's own token and its top candidates."""
+        out: PromptLogprobs = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {
+                str(entry.token_id): PromptLogprob(
+                    logprob=_finite(entry.logprob),
+                    rank=entry.rank,
+                    decoded_token=self.token(entry.token_id)[0],
+                )
+            }
+            for token_id, logprob, rank in entry.top[: self.top]:
+                key = str(token_id)
+                if key not in ranked:
+                    ranked[key] = PromptLogprob(
+                        logprob=_finite(logprob), rank=rank, decoded_token=self.token(token_id)[0]
+                    )
+            out.append(ranked)
+        return out

@@ -237,26 +237,42 @@ class _CompletionChunks:
         usage.add(delta)
         i = delta.index
         text = delta.text
+        entries = delta.logprobs
+        if self.ctx.echo_only:
+            text, entries = "", None
         offsets = self.offsets
+        fmt = self.fmt
+        lp: CompletionLogprobs | None = None
         if not self.started[i]:
             self.started[i] = True
             echo = self.ctx.echo
             if echo is not None:
-                text = echo[i // self.ctx.n] + text
-                offsets[i] = len(text) - len(delta.text)
-        logprobs = b"null"
-        fmt = self.fmt
-        if fmt is not None and delta.logprobs:
-            lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+                prefix = echo[i // self.ctx.n]
+                offsets[i] = len(prefix)
+                text = prefix + text
+                if fmt is not None and delta.prompt_logprobs is not None:
+                    # As vLLM streams it: the echoed prompt's logprobs lead the first chunk.
+                    lp = _no_logprobs()
+                    offsets[i] = fmt.completion_prompt(
+                        delta.prompt_token_ids or (),
+                        delta.prompt_logprobs,
+                        lp.tokens,
+                        lp.token_logprobs,
+                        lp.top_logprobs,
+                        lp.text_offset,
+                    )
+        if fmt is not None and entries:
+            if lp is None:
+                lp = _no_logprobs()
             offsets[i] = fmt.completion(
-                delta.logprobs,
+                entries,
                 offsets[i],
                 lp.tokens,
                 lp.token_logprobs,
                 lp.top_logprobs,
                 lp.text_offset,
             )
-            logprobs = _ENCODER.encode(lp)
+        logprobs = b"null" if lp is None else _ENCODER.encode(lp)
         finish = delta.finish_reason
         if not text and finish is None and logprobs == b"null":
             return b""
@@ -279,6 +295,10 @@ class _CompletionChunks:
     def tail(self) -> bytes:
         head = self.frame.usage_chunk(self.usage.usage()) if self.include_usage else b""
         return head + DONE
+
+
+def _no_logprobs() -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
 
 
 def completion_events(ctx: ResponseContext, deltas: AsyncIterator[Delta]) -> DeltaEvents:

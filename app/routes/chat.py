@@ -40,6 +40,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         (prepared.prompt_len,),
         prepared.top_logprobs,
         plan=prepared.plan,
+        prompt_logprobs=prepared.prompt_logprobs,
     )
 
     def observe(first: Delta | None) -> None:

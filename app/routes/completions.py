@@ -43,6 +43,8 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         prepared.prompt_lengths,
         prepared.top_logprobs,
         echo=prepared.echo,
+        prompt_logprobs=prepared.prompt_logprobs,
+        echo_only=prepared.echo_only,
     )
     engine = gateway.engine
     source: AsyncIterator[Delta]

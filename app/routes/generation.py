@@ -82,9 +82,12 @@ def response_context(
     *,
     plan: OutputPlan = NO_PARSING,
     echo: tuple[str, ...] | None = None,
+    prompt_logprobs: int | None = None,
+    echo_only: bool = False,
 ) -> ResponseContext:
     """How the answer to ``req`` is written: its id, usage and logprob options."""
     options = req.stream_options
+    as_ids = req.return_tokens_as_token_ids
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return ResponseContext(
         kind=kind,
@@ -97,9 +100,13 @@ def response_context(
         continuous_usage=options is not None and options.continuous_usage_stats,
         logprobs=None
         if top_logprobs is None
-        else LogprobFormatter(gateway.tokenizer, top_logprobs, req.return_tokens_as_token_ids),
+        else LogprobFormatter(gateway.tokenizer, top_logprobs, as_ids),
+        prompt_logprobs=None
+        if prompt_logprobs is None
+        else LogprobFormatter(gateway.tokenizer, prompt_logprobs, as_ids),
         plan=plan,
         echo=echo,
+        echo_only=echo_only,
     )
 
 

@@ -208,6 +208,8 @@ class SamplingFields(Struct, **_STRICT):
     data_parallel_rank: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     return_tokens_as_token_ids: bool = False
     add_special_tokens: bool | None = None
+    # vLLM's: candidates per prompt token (not with ``stream``); see prompt_logprobs_of.
+    prompt_logprobs: int | None = None
     # OpenAI fields accepted for compatibility that change nothing here.
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -216,7 +218,6 @@ class SamplingFields(Struct, **_STRICT):
     safety_identifier: str | None = None
     # Known fields Rankgate refuses with a clear 400 (rather than "unrecognized").
     use_beam_search: bool | None = None
-    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
     guided_decoding_backend: str | None = None
@@ -272,6 +273,8 @@ class CompletionRequest(SamplingFields, **_STRICT):
             }
         ),
     ]
+    # 0 only with ``echo``: the prompt alone, scored (what lm-eval's loglikelihood asks).
+    max_tokens: NonNegInt | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: PosInt | None = None

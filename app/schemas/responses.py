@@ -71,6 +71,7 @@ class ChatCompletion(Struct, kw_only=True):
     usage: Usage
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType | None = UNSET
 
 
 class ToolCallDeltaFunction(Struct, kw_only=True):
@@ -110,6 +111,19 @@ class ChatCompletionChunk(Struct, kw_only=True):
     usage: Usage | UnsetType | None = UNSET
 
 
+class PromptLogprob(Struct, kw_only=True):
+    """One candidate of one prompt position in vLLM's ``prompt_logprobs`` (keyed by id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: null for the first token, then the token itself and the top
+# candidates, each keyed by its token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(Struct, kw_only=True):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -123,6 +137,7 @@ class CompletionChoice(Struct, kw_only=True):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType | None = UNSET
 
 
 class Completion(Struct, kw_only=True):

@@ -185,3 +185,29 @@ def test_strict_mode_refuses_them_like_openai(strict: httpx.Client, body: Any, p
     error = response.json()["error"]
     assert error["param"] == param
     assert error["message"] == f"Unrecognized request argument supplied: {param}"
+
+
+def test_fields_vllm_removed_are_applied_with_vllms_warning(
+    lenient: httpx.Client,
+    engine: ScriptedEngine,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's server ignores its removed guided_* fields and warns; Rankgate still constrains
+    the output (a client written for an older vLLM keeps working) and warns once per name."""
+    from app.prepare import params
+
+    monkeypatch.setattr(params, "_warned_removed", set())
+    caplog.set_level(logging.WARNING, "app.prepare.params")
+    for _ in range(2):
+        body = chat(guided_regex="[ab]+", guided_decoding_backend="xgrammar")
+        response = lenient.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        structured = engine.requests[-1].structured
+        assert structured is not None
+        assert (structured.kind, structured.spec) == ("regex", "[ab]+")
+    warnings = [r.getMessage() for r in caplog.records if "vLLM has removed" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "guided_regex" in warnings[0]
+    assert "guided_decoding_backend" in warnings[0]
+    assert "structured_outputs" in warnings[0]

@@ -245,3 +245,30 @@ def test_ready_and_models(split: httpx.Client) -> None:
     assert split.get("/ready").status_code == 200
     models = split.get("/v1/models").json()
     assert next(m["id"] for m in models["data"]) == MODEL
+
+
+def test_prompt_logprobs_are_prefilled_where_they_decode(
+    pair: Pair, split: httpx.Client, aggregated: httpx.Client
+) -> None:
+    """A transfer carries KV, not logprobs: the decode engine prefills such a request itself
+    and answers as one engine would."""
+    prefill_before, decode_before = pair.totals("prefill"), pair.totals("decode")
+    body = {
+        "model": MODEL,
+        "prompt": "Score every token of this prompt.",
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 0,
+        "temperature": 0.0,
+    }
+    response = split.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    reference = aggregated.post("/v1/completions", json=body)
+    assert comparable(response.json()) == comparable(reference.json())
+    choice = response.json()["choices"][0]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert len(choice["prompt_logprobs"]) == response.json()["usage"]["prompt_tokens"]
+    prefill, decode = pair.totals("prefill"), pair.totals("decode")
+    assert prefill.requests_received == prefill_before.requests_received
+    assert decode.requests_served - decode_before.requests_served == 1
+    assert decode.transfers_completed == decode_before.transfers_completed

@@ -211,6 +211,30 @@ def test_n_choices_each_run_their_own_prefill_and_decode(
     assert_settled(real_pd, expired)
 
 
+def test_prompt_logprobs_are_prefilled_on_the_decode_engine(
+    gateway: httpx.Client, real_pd: RealVllmPair
+) -> None:
+    """vLLM's transfer moves KV, not logprobs: the decode engine prefills the request itself,
+    and the prefill engine never sees it."""
+    model = real_pd.decode.served_model_name
+    prefill_before = settled_metrics(real_pd.prefill)
+    decode_before = settled_metrics(real_pd.decode)
+    answer = post(gateway, body(model, unique_text(), prompt_logprobs=1)).json()
+    prompt = answer["usage"]["prompt_tokens"]
+    entries = answer["prompt_logprobs"]
+    assert len(entries) == prompt
+    assert entries[0] is None
+    assert all(1 <= len(entry) <= 2 for entry in entries[1:])
+    prefill_after = settled_metrics(real_pd.prefill)
+    decode_after = settled_metrics(real_pd.decode)
+    assert prefill_after["prompt_tokens_total"] == prefill_before["prompt_tokens_total"]
+    assert decode_after["prompt_tokens_total"] - decode_before["prompt_tokens_total"] == prompt
+    assert (
+        decode_after["external_prefix_cache_hits_total"]
+        == decode_before["external_prefix_cache_hits_total"]
+    )
+
+
 def test_an_image_request_is_prefilled_and_decoded_on_separate_engines(
     gateway: httpx.Client, real_pd: RealVllmPair
 ) -> None:

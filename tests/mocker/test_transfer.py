@@ -180,8 +180,16 @@ def test_decode_fails_numbers_sent_as_strings(
     assert field in (caught.value.details() or "")
 
 
-def test_decode_role_needs_a_remote_prefill(decode: MockEngineHandle) -> None:
-    assert "only decodes" in refused(decode, request(prompt(7, 20)))
+def test_decode_role_prefills_a_request_without_remote_params(decode: MockEngineHandle) -> None:
+    """vLLM's NIXL consumer prefills such a request locally (the gateway sends prompt-logprob
+    requests this way, tests/disagg/test_real_vllm_pd.py)."""
+    before = sum(decode.stats(rank).transfers_completed for rank in decode.ranks)
+    c = Client(decode.target)
+    try:
+        assert len(c.stream(request(prompt(7, 20), max_new_tokens=2))) == 3
+    finally:
+        c.close()
+    assert sum(decode.stats(rank).transfers_completed for rank in decode.ranks) == before
 
 
 def test_dropping_a_decode_during_its_transfer_strands_it(

@@ -23,6 +23,8 @@ class EngineUnderTest:
     kv_replay_base_port: int | None
     # The mocker's in-process handle (counters, faults); None for real vLLM.
     mock: Any = None
+    # Real vLLM's own OpenAI HTTP server on the same engine (empty for the mocker).
+    http_url: str = ""
 
     @property
     def host(self) -> str:
