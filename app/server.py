@@ -148,7 +148,7 @@ def create_app(
     install_access(app, settings.access)
     for module in (chat, completions, responses, tokenize, models, ops):
         app.include_router(module.router)
-    install_openapi(app)
+    install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
     return app
 
 

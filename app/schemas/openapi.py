@@ -87,7 +87,22 @@ def json_response(name: str, description: str = "OK") -> dict[int | str, dict[st
     return {200: {"description": description, "content": _json(name)}}
 
 
-def install_openapi(app: FastAPI) -> None:
+def _open_objects(node: Any) -> None:
+    """Drop ``additionalProperties: false``: the request Structs forbid unknown fields only to
+    find them (app/unknown_fields.py), and the gateway then ignores them, as vLLM does."""
+    if isinstance(node, dict):
+        if node.get("additionalProperties") is False:
+            del node["additionalProperties"]
+        for value in node.values():
+            _open_objects(value)
+    elif isinstance(node, list):
+        for value in node:
+            _open_objects(value)
+
+
+def install_openapi(app: FastAPI, *, reject_unknown_fields: bool = False) -> None:
+    """``reject_unknown_fields``: the request objects are closed (``--reject-unknown-fields``)."""
+
     def build() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -98,6 +113,8 @@ def install_openapi(app: FastAPI) -> None:
             routes=app.routes,
         )
         _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+        if not reject_unknown_fields:
+            _open_objects(components)
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(components)
         app.openapi_schema = document

@@ -211,3 +211,16 @@ def test_fields_vllm_removed_are_applied_with_vllms_warning(
     assert "guided_regex" in warnings[0]
     assert "guided_decoding_backend" in warnings[0]
     assert "structured_outputs" in warnings[0]
+
+
+def test_the_openapi_document_says_which_policy_serves(
+    lenient: httpx.Client, strict: httpx.Client
+) -> None:
+    """Request objects are open by default (extras are ignored) and closed in strict mode."""
+
+    def closed(client: httpx.Client) -> set[str]:
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        return {name for name, s in schemas.items() if s.get("additionalProperties") is False}
+
+    assert closed(lenient) == set()
+    assert {"ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"} <= closed(strict)
