@@ -5,6 +5,12 @@ numbers arrive as ``google.protobuf.Struct`` numbers (doubles), and forwarding t
 came serves the decode. The prefill side holds the prompt's KV until the decode side has read
 it, then frees it at once; KV that no decode reads is freed when the lease ends (vLLM's
 ``kv_lease_duration``, 30 s; the mock pair runs with 3 s), and the prefill side says so.
+
+Only the mock is asked about its KV while a lease runs. vLLM's prefill engine, on a busy
+two-core CI machine, has more than once answered nothing for a finished prefill's whole lease:
+four of five prefills in one fresh-clone run, each probe answered the moment the lease ended,
+never on a quiet machine. There the facts come from what the engine logs when a lease ends
+("... retrieved by N remote worker(s) before lease expired"), which it writes on time.
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ class Side:
     # Leases ended of the prefills whose request id starts with the one given (the mock pair
     # serves one request at a time and counts all of them).
     expired: Callable[[str], int]
+    # Decodes that read each ended lease's KV, by the engine's own word; None where the engine
+    # does not say (the mock, which counts reads as freed transfers instead).
+    lease_reads: Callable[[str], list[int]] | None
+    # Whether ``held`` may be asked while a lease runs (see the module's docstring).
+    answers_during_lease: bool
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,14 @@ def _real_side(server: RealVllm) -> Side:
     def expired(request_id: str) -> int:
         return server.log_path.read_text(errors="replace").count(f"{LEASE_ENDED}{request_id}")
 
-    return Side(server.target, lambda: not server.blocks_free(), expired)
+    def lease_reads(request_id: str) -> list[int]:
+        return server.lease_reads(request_id)
+
+    # A stalled engine answers once the lease ends: wait that long rather than time out.
+    def held() -> bool:
+        return not server.blocks_free(timeout=KV_LEASE_S + 15)
+
+    return Side(server.target, held, expired, lease_reads, answers_during_lease=False)
 
 
 def _mock_side(handle: MockEngineHandle) -> Side:
@@ -70,6 +88,8 @@ def _mock_side(handle: MockEngineHandle) -> Side:
         handle.target,
         lambda: any(s.held_transfers for s in stats()),  # type: ignore[attr-defined]
         lambda _: sum(s.leases_expired for s in stats()),  # type: ignore[attr-defined]
+        lease_reads=None,
+        answers_during_lease=True,
     )
 
 
@@ -149,38 +169,38 @@ def stalled_probes(pair: PdPair, what: str, probes: list[Probe]) -> EngineStalle
 def test_forwarded_params_serve_the_decode_and_free_the_prefill_kv(pd_pair: PdPair) -> None:
     wait_until(lambda: not pd_pair.prefill.held(), pd_pair.lease_s + 10)
     ids = helpers.fresh_prompt(100)
-    leases_ended = pd_pair.prefill.expired("")
     started = time.monotonic()
-    _, reply = prefill(pd_pair, ids)
+    rid, reply = prefill(pd_pair, ids)
     params = reply.outputs.finish_info.kv_transfer_params
     assert params["do_remote_prefill"] is True
     for name in NUMBERS:
         assert params.fields[name].WhichOneof("kind") == "number_value", name
-    after = probe(pd_pair.prefill, started)
-    ended = pd_pair.prefill.expired("") > leases_ended
-    late = after.answered >= pd_pair.lease_s * 0.8 or ended
-    if not after.held and late:
-        raise stalled_probes(pd_pair, "the KV read as free only once its lease had ended", [after])
-    assert after.held, f"the prefill's KV read as free before any decode: {after}"
+    if pd_pair.prefill.answers_during_lease:
+        after = probe(pd_pair.prefill, started)
+        assert after.held, f"the prefill's KV read as free before any decode: {after}"
+    leases_ended = pd_pair.prefill.expired(rid)
     request = helpers.make_request(ids, tag="decode", max_new_tokens=3)
     request.kv.kv_transfer_params.CopyFrom(params)  # as they came: numbers stay doubles
     with grpc.insecure_channel(pd_pair.decode.target) as channel:
         generation = helpers.stream(channel, request)
     assert generation.finish is not None
     assert generation.finish.num_output_tokens == 3
+    # A stalled real engine answers this only at the lease's end; the log then tells whether
+    # the read or the lease freed the KV.
     freed = wait_until_or_not(lambda: not pd_pair.prefill.held(), pd_pair.lease_s / 2)
-    lease_ended = pd_pair.prefill.expired("") > leases_ended
-    if pd_pair.kind == "real" and (lease_ended or not freed):
-        # The decode above read all of it (num_output_tokens checked): the rest is the engines'.
-        raise stalled_probes(pd_pair, "the read KV was kept past half its lease", [])
-    assert freed, "the read KV was kept past half its lease"
+    lease_ended = pd_pair.prefill.expired(rid) > leases_ended
+    if pd_pair.kind == "real" and lease_ended:
+        # The decode above read all of it (num_output_tokens checked, and vLLM's decode fails a
+        # request whose KV load fails): the missing read notice is the engines'.
+        raise stalled_probes(pd_pair, "the read KV was kept until its lease ended", [])
     assert not lease_ended, "a lease ended, not the read"
+    assert freed, "the read KV was kept past half its lease"
 
 
 @RERUN_ON_STALLS
 def test_kv_no_decode_reads_is_held_until_the_lease_ends(pd_pair: PdPair) -> None:
     """The engine's own word dates the release (the mock's counter, vLLM's "Releasing expired
-    KV blocks" line); the KV reads as held at every sample answered well before it."""
+    KV blocks" line); the mock reads as held at every sample answered well before it."""
     wait_until(lambda: not pd_pair.prefill.held(), pd_pair.lease_s + 10)
     started = time.monotonic()
     rid, _ = prefill(pd_pair, helpers.fresh_prompt(100))
@@ -188,13 +208,16 @@ def test_kv_no_decode_reads_is_held_until_the_lease_ends(pd_pair: PdPair) -> Non
     samples: list[Probe] = []
     while pd_pair.prefill.expired(rid) == expired:
         assert time.monotonic() - started < pd_pair.lease_s + 15, "the lease never ended"
-        samples.append(probe(pd_pair.prefill, started))
+        if pd_pair.prefill.answers_during_lease:
+            samples.append(probe(pd_pair.prefill, started))
         time.sleep(0.2)
     released = time.monotonic() - started
     assert released >= pd_pair.lease_s * 0.8
     assert pd_pair.prefill.expired(rid) == expired + 1
-    early = [sample for sample in samples if sample.answered < pd_pair.lease_s * 0.8]
-    if not early:
-        raise stalled_probes(pd_pair, "no probe was answered before the lease's end", samples)
-    assert all(sample.held for sample in early), f"the KV read as free early: {samples}"
+    if pd_pair.prefill.lease_reads is not None:
+        assert pd_pair.prefill.lease_reads(rid) == [0], "the engine says a decode read the KV"
+    if pd_pair.prefill.answers_during_lease:
+        early = [sample for sample in samples if sample.answered < pd_pair.lease_s * 0.8]
+        assert early, f"no probe was answered before the lease's end: {samples}"
+        assert all(sample.held for sample in early), f"the KV read as free early: {samples}"
     wait_until(lambda: not pd_pair.prefill.held(), 10)

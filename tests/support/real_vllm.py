@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -47,6 +48,12 @@ KV_LEASE_S = 30.0
 LEASE_ENDED = "Releasing expired KV blocks for request "
 
 
+def _lease_ended(request_id: str) -> re.Pattern[str]:
+    return re.compile(
+        re.escape(f"{LEASE_ENDED}{request_id}") + r"-[0-9a-f]{8} which were retrieved by (\d+) "
+    )
+
+
 class RealVllmUnavailable(RuntimeError):
     """Real vLLM could not be installed or started although the environment requires it."""
 
@@ -70,7 +77,7 @@ class RealVllm:
     # One side of a prefill/decode pair: "producer" or "consumer" (NIXL on the CPU).
     kv_role: str | None = None
 
-    def blocks_free(self) -> bool:
+    def blocks_free(self, timeout: float = 30.0) -> bool:
         """Whether vLLM's block pool holds no request's KV, in the engine's own word.
 
         ``POST /reset_prefix_cache`` succeeds only when no block is in use (by a running
@@ -78,9 +85,15 @@ class RealVllm:
         prefix cache. It reads the pool at once; the ``kv_cache_usage_perc`` gauge follows the
         engine's stats to ``/metrics`` late, and in fresh-clone CI runs it never read a waiting
         prefill's KV as held. Needs the engine served with ``dev_endpoints``."""
-        response = httpx.post(f"{self.http_url}/reset_prefix_cache", timeout=30)
+        response = httpx.post(f"{self.http_url}/reset_prefix_cache", timeout=timeout)
         response.raise_for_status()
         return bool(response.json()["success"])
+
+    def lease_reads(self, request_id: str) -> list[int]:
+        """For each KV lease the prefill side ended on ``request_id``, how many decodes had read
+        that KV, as the engine logged it."""
+        text = self.log_path.read_text(errors="replace")
+        return [int(found[1]) for found in _lease_ended(request_id).finditer(text)]
 
 
 @dataclass(frozen=True)
