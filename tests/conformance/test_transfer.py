@@ -162,7 +162,7 @@ def probe(side: Side, since: float) -> Probe:
 
 
 def stalled_probes(pair: PdPair, what: str, probes: list[Probe]) -> EngineStalled:
-    return stalled(f"{what}: {probes}\n{pair.diagnose()}")
+    return stalled(what, f"{probes}\n{pair.diagnose()}")
 
 
 @RERUN_ON_STALLS

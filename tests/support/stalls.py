@@ -8,6 +8,10 @@ about KV lifetimes either way, so it raises :class:`EngineStalled`: a warning ca
 engines logged (the report shows it even when a rerun passes) and ``RERUN_ON_STALLS`` runs the
 test again, at most twice. A gateway that really leaves KV to its lease does so on every run
 and still fails; so does any other error.
+
+Errors raised here carry one line. CI prints each failure's whole message in the summary that
+ends the output, so the engines' logs go in a warning, printed above it, and a failure's name
+and what it asserts stay among the last lines.
 """
 
 from __future__ import annotations
@@ -46,10 +50,17 @@ _CALL = re.compile(
 _EXPIRED = re.compile(re.escape(LEASE_ENDED) + r"(\S+)-[0-9a-f]{8} which")
 
 
-def stalled(message: str) -> EngineStalled:
-    """``message`` as a warning in the report and as the error to raise."""
-    warnings.warn(message, stacklevel=2)
-    return EngineStalled(message)
+def explained(error: type[AssertionError], headline: str, details: str) -> AssertionError:
+    """``error`` with ``headline`` alone; the warning in the report adds ``details``."""
+    warnings.warn(f"{headline}\n{details}" if details else headline, stacklevel=3)
+    return error(headline)
+
+
+def stalled(headline: str, details: str = "") -> EngineStalled:
+    """An :class:`EngineStalled` of one line, the report's warning adding ``details``."""
+    error = explained(EngineStalled, headline, details)
+    assert isinstance(error, EngineStalled)
+    return error
 
 
 @contextlib.contextmanager
@@ -125,18 +136,28 @@ def judge_lease_wait(pd: RealVllmPair, late: list[str], waited: float) -> Assert
     decode arrived in time, or KV freed late by a notice that did come, is
     :class:`EngineStalled`."""
     rids = expired_request_ids(late)
-    report = f"{late}, settled after {waited:.1f} s\n{diagnosis(pd, rids)}"
+    settled = f"(settled after {waited:.1f} s)"
+    report = f"{late}\n{diagnosis(pd, rids)}"
     if len(rids) < len(late):
-        return AssertionError(f"prefill KV waited out its lease, of a request unnamed: {report}")
+        headline = f"prefill KV waited out its lease, of a request unnamed {settled}"
+        return explained(AssertionError, headline, report)
     for rid in rids:
         prefilled, decoded = call(pd.prefill, rid), call(pd.decode, rid)
         done = prefilled.ended or prefilled.received
         if decoded.received is None:
-            return AssertionError(f"prefill KV waited out its lease, never handed off: {report}")
+            return explained(
+                AssertionError,
+                f"prefill KV of {rid} waited out its lease, never handed off {settled}",
+                report,
+            )
         if done is not None and (decoded.received - done).total_seconds() > HAND_OFF_LIMIT_S:
-            return AssertionError(f"prefill KV waited out its lease, handed off late: {report}")
+            return explained(
+                AssertionError,
+                f"prefill KV of {rid} waited out its lease, handed off late {settled}",
+                report,
+            )
     what = "prefill KV waited out its lease" if late else "prefill KV freed only after 10 s"
-    return stalled(f"{what} although each decode was handed off in time: {report}")
+    return stalled(f"{what} although each decode was handed off in time {settled}", report)
 
 
 def _lines(path: Path) -> list[str]:
