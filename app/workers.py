@@ -3,11 +3,14 @@
 One Python process tops out at one core, so a busy gateway runs several. This supervisor binds
 the listening socket once and hands it to N spawned workers: the kernel keeps one accept queue,
 and whichever worker is free takes the next connection, so a worker that dies loses only the
-connections it had accepted. Each worker is a whole gateway with its own sidecar, gRPC channels
-and KV-event subscribers; what they must agree on lives outside them:
+connections it had accepted. Each worker is a whole gateway with its own sidecar and gRPC
+channels; what they must agree on lives outside them:
 
 * per-rank load, in a :class:`~sidecar.routing.shared_load.SharedLoadBoard` (a row per
   worker), so that routing in one worker sees the requests the others have in flight;
+* what each rank caches: the first worker alone subscribes to the KV events, and its index
+  writes through to a table in shared memory (:mod:`sidecar.routing.shared_index`) that the
+  others route on;
 * metrics, in prometheus-client's multi-process directory, so any worker's ``/metrics``
   reports the whole gateway;
 * the bundled mock engine (no ``--engine``), started once here so every worker routes to the

@@ -20,7 +20,8 @@ until its first batch arrives the rank's replay buffer is polled for what was mi
 The thread sleeps in ``poll`` until a socket is readable or its next deadline (a bind retry, a
 replay's end, a probe) falls due, and ``stop`` wakes it through a socket pair. An idle gateway
 spends nothing here once every rank has sent a batch; until then a bind-mode rank is probed
-once a second. Each ``--workers`` process runs one of these.
+once a second. With ``--workers`` only the first worker runs one; the others read its index
+from shared memory (:mod:`sidecar.routing.shared_index`).
 """
 
 from __future__ import annotations

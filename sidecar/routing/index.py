@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 import msgspec
 
@@ -92,6 +93,15 @@ def match_masks(
     return PrefixMatch(device=dev_depth, any_tier=any_depth)
 
 
+class MaskMirror(Protocol):
+    """Where an index also writes every key's masks and every rank's sizes (another process's
+    view: :class:`~sidecar.routing.shared_index.SharedKvTable`)."""
+
+    def set(self, key: int, tier: int, mask: int) -> None: ...
+
+    def set_size(self, slot: int, tier: int, blocks: int) -> None: ...
+
+
 class _RankTier:
     """One rank's blocks on one tier, oldest first, bounded by ``capacity``."""
 
@@ -110,11 +120,18 @@ class EventIndex:
 
     Memory is bounded by each rank's real capacity: a rank cannot hold more device blocks than
     discovery reported, so an overflow means removals were lost, and the oldest entry goes.
+    ``mirror`` gets every change of a key's masks, for the gateway's other workers.
     """
 
-    def __init__(self, device_capacity: Sequence[int], offload_capacity: Sequence[int]) -> None:
+    def __init__(
+        self,
+        device_capacity: Sequence[int],
+        offload_capacity: Sequence[int],
+        mirror: MaskMirror | None = None,
+    ) -> None:
         if len(device_capacity) != len(offload_capacity):
             raise ValueError("one device and one offload capacity per slot")
+        self.mirror = mirror
         self.slots = len(device_capacity)
         self.device: dict[int, int] = {}
         self.offloaded: dict[int, int] = {}
@@ -150,9 +167,14 @@ class EventIndex:
         refs = rank_tier.refs
         count = refs.get(key, 0)
         refs[key] = count + 1
+        mirror = self.mirror
         if count == 0:
             masks = self.device if tier == DEVICE else self.offloaded
-            masks[key] = masks.get(key, 0) | (1 << slot)
+            mask = masks[key] = masks.get(key, 0) | (1 << slot)
+            if mirror is not None:
+                mirror.set(key, tier, mask)
+        if mirror is not None:
+            mirror.set_size(slot, tier, len(rank_tier.blocks))
 
     def remove(self, slot: int, tier: int, block_hash: Hashable) -> bool:
         rank_tier = self._tiers[slot][tier]
@@ -164,6 +186,7 @@ class EventIndex:
     def clear(self, slot: int) -> None:
         """Forget everything one rank holds (AllBlocksCleared, a purge)."""
         keep = ~(1 << slot)
+        mirror = self.mirror
         for tier, rank_tier in zip(TIERS, self._tiers[slot], strict=True):
             masks = self.device if tier == DEVICE else self.offloaded
             for key in rank_tier.refs:
@@ -172,14 +195,21 @@ class EventIndex:
                     masks[key] = mask
                 else:
                     masks.pop(key, None)
+                if mirror is not None:
+                    mirror.set(key, tier, mask)
             rank_tier.blocks = {}
             rank_tier.refs = {}
+            if mirror is not None:
+                mirror.set_size(slot, tier, 0)
 
     def size(self, slot: int, tier: int = DEVICE) -> int:
         return len(self._tiers[slot][tier].blocks)
 
     def _drop(self, slot: int, tier: int, rank_tier: _RankTier, block_hash: Hashable) -> None:
         key = rank_tier.blocks.pop(block_hash)
+        mirror = self.mirror
+        if mirror is not None:
+            mirror.set_size(slot, tier, len(rank_tier.blocks))
         count = rank_tier.refs[key] - 1
         if count:
             rank_tier.refs[key] = count
@@ -191,6 +221,8 @@ class EventIndex:
             masks[key] = mask
         else:
             masks.pop(key, None)
+        if mirror is not None:
+            mirror.set(key, tier, mask)
 
 
 class PredictedIndex:

@@ -34,9 +34,16 @@ from sidecar.errors import EngineUnavailable, InvalidRequest
 from sidecar.routing.base import RouteDecision, Router, RouteTicket
 from sidecar.routing.events import IntakeSettings, KvEventIntake
 from sidecar.routing.hashing import PromptKeys, prompt_keys
-from sidecar.routing.index import OFFLOADED, EventIndex, PredictedIndex
+from sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, PredictedIndex, PrefixMatch
 from sidecar.routing.load import LoadTracker, RecentWork, UntrackedTicket
 from sidecar.routing.metrics import RankCounts, RankSnapshot, RoutingMetrics, routing_metrics
+from sidecar.routing.shared_index import (
+    MAX_SLOTS,
+    SharedKvReader,
+    SharedKvTable,
+    table_name,
+)
+from sidecar.routing.shared_index import remove as remove_table
 from sidecar.routing.shared_load import SharedLoadBoard
 from sidecar.types import EngineInfo, KvEventSource, PreparedRequest
 
@@ -353,7 +360,11 @@ class LoadRouter(_CountingRouter):
 
 
 class KvRouter(_CountingRouter):
-    """KV-cache-aware and load-aware: the policy this gateway exists for."""
+    """KV-cache-aware and load-aware: the policy this gateway exists for.
+
+    With ``--workers`` only the first worker subscribes to the KV events; the others read its
+    index's masks from shared memory (:mod:`sidecar.routing.shared_index`).
+    """
 
     name = "kv"
 
@@ -361,6 +372,11 @@ class KvRouter(_CountingRouter):
         super().__init__(config, metrics)
         self.events: EventIndex | None = None
         self.intake: KvEventIntake | None = None
+        # The first worker's table, which its index writes through to; the others' view of it.
+        self.shared_table: SharedKvTable | None = None
+        self.shared_reader: SharedKvReader | None = None
+        # Tables whose intake is still stopping: removed once no intake can write to them.
+        self._retired: list[SharedKvTable] = []
         self.predicted: PredictedIndex | None = None
         self.recent: RecentWork | None = None
         self._started = False
@@ -376,6 +392,7 @@ class KvRouter(_CountingRouter):
             self._stopping.append(self.intake)
             self.intake = None
         self.events = None
+        self._close_shared()
         self._last = None
         self.recent = (
             RecentWork(len(topology.ranks), self.config.recent_half_life)
@@ -385,9 +402,22 @@ class KvRouter(_CountingRouter):
         capacity = [max(1, blocks) for blocks in topology.device_blocks]
         sources = topology.sources
         ttl = self.config.predict_ttl
-        if sources:
+        board = self.shared_load
+        if board is not None and (board.workers < 2 or len(topology.ranks) > MAX_SLOTS):
+            board = None
+        if sources and board is not None and board.worker != 0:
+            self.shared_reader = SharedKvReader(board, len(topology.ranks))
+            ttl = self.config.pending_ttl
+        elif sources:
             offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
-            self.events = EventIndex(capacity, offload)
+            if board is not None:
+                remove_table(table_name(board, board.kv_generation))
+                generation = board.kv_generation + 1
+                self.shared_table = SharedKvTable.create(
+                    table_name(board, generation), len(topology.ranks), sum(capacity) + sum(offload)
+                )
+                board.kv_generation = generation
+            self.events = EventIndex(capacity, offload, self.shared_table)
             self.intake = KvEventIntake(
                 sources,
                 self.slots,
@@ -424,13 +454,41 @@ class KvRouter(_CountingRouter):
             intake.stop()
         for intake in stopping:
             await asyncio.to_thread(intake.join, 5.0)
+        self._close_shared()
+
+    def _close_shared(self) -> None:
+        """Let go of this worker's shared table or view; a table is removed only once no
+        intake thread can write to it any more."""
+        if self.shared_table is not None:
+            # Readers drop it on their next look (a crashed writer's table is read until its
+            # replacement makes the next one).
+            if self.shared_load is not None:
+                self.shared_load.kv_generation += 1
+            self._retired.append(self.shared_table)
+            self.shared_table = None
+        if not any(intake.running for intake in self._stopping):
+            for table in self._retired:
+                table.close()
+            self._retired = []
+        if self.shared_reader is not None:
+            self.shared_reader.close()
+            self.shared_reader = None
 
     def _index_sizes(self, slot: int) -> tuple[int, int, int]:
         predicted = self.predicted.size(slot) if self.predicted is not None else 0
         events = self.events
-        if events is None:
-            return 0, 0, predicted
-        return events.size(slot), events.size(slot, OFFLOADED), predicted
+        if events is not None:
+            return events.size(slot), events.size(slot, OFFLOADED), predicted
+        table = self.shared_reader.table() if self.shared_reader is not None else None
+        if table is not None:
+            return table.size(slot, DEVICE), table.size(slot, OFFLOADED), predicted
+        return 0, 0, predicted
+
+    def _event_match(self, hashes: list[int]) -> PrefixMatch | None:
+        if self.events is not None:
+            return self.events.match(hashes)
+        table = self.shared_reader.table() if self.shared_reader is not None else None
+        return table.match(hashes) if table is not None else None
 
     def keys(self, request: PreparedRequest) -> PromptKeys:
         """The request's block keys, computed once for all its choices."""
@@ -481,11 +539,10 @@ class KvRouter(_CountingRouter):
         if not hashes:
             return [0] * slots
         predicted = self.predicted.match(hashes) if self.predicted is not None else [0] * slots
-        events = self.events
-        if events is None:
+        found = self._event_match(hashes)
+        if found is None:
             blocks = [float(depth) for depth in predicted]
         else:
-            found = events.match(hashes)
             weight = self.config.offloaded_hit_weight
             blocks = [
                 max(dev, pred) + weight * max(0, tier - max(dev, pred))

@@ -10,6 +10,9 @@ that sees one counter a moment early or late is as good as the next sync.
 
 Columns are keyed by DP rank id, not by a router's slot order, so a request counted before a
 topology change is still subtracted from the right counter when it finishes.
+
+A header before the rows names the current shared KV-event table
+(:mod:`sidecar.routing.shared_index`) by its generation.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ IN_FLIGHT, PREFILL, DECODE = 0, 1, 2
 # Ranks above this id are not shared (counted by their own worker only).
 MAX_RANKS = 512
 _ITEM = 8
+_HEADER = 8
+_KV_GENERATION = 0
 
 
 class SharedLoadBoard:
@@ -39,7 +44,7 @@ class SharedLoadBoard:
     ) -> None:
         if not 0 <= worker < workers:
             raise ValueError(f"worker {worker} is out of range for {workers} workers")
-        if shm.size < workers * max_ranks * FIELDS * _ITEM:
+        if shm.size < _size(workers, max_ranks):
             raise ValueError("the shared load block is smaller than its table")
         self._shm = shm
         self._owner = owner
@@ -50,7 +55,7 @@ class SharedLoadBoard:
         buf = shm.buf
         assert buf is not None
         self._cells = buf.cast("q")
-        self._mine = worker * self._row
+        self._mine = _HEADER + worker * self._row
 
     @classmethod
     def create(cls, workers: int, max_ranks: int = MAX_RANKS) -> SharedLoadBoard:
@@ -59,7 +64,7 @@ class SharedLoadBoard:
             raise ValueError("workers must be at least 1")
         if max_ranks < 1:
             raise ValueError("max_ranks must be at least 1")
-        size = workers * max_ranks * FIELDS * _ITEM
+        size = _size(workers, max_ranks)
         # A new block is zero-filled by the OS (it is a fresh file in /dev/shm).
         shm = shared_memory.SharedMemory(create=True, size=size)
         return cls(shm, workers, 0, max_ranks, owner=True)
@@ -81,6 +86,15 @@ class SharedLoadBoard:
     @property
     def name(self) -> str:
         return self._shm.name
+
+    @property
+    def kv_generation(self) -> int:
+        """The current shared KV table's generation; 0 while there is none."""
+        return self._cells[_KV_GENERATION]
+
+    @kv_generation.setter
+    def kv_generation(self, generation: int) -> None:
+        self._cells[_KV_GENERATION] = generation
 
     def shares(self, rank: int) -> bool:
         return 0 <= rank < self.max_ranks
@@ -108,7 +122,7 @@ class SharedLoadBoard:
             f = p = d = 0
             if 0 <= rank < self.max_ranks:
                 at = rank * FIELDS
-                for base in range(0, self.workers * row, row):
+                for base in range(_HEADER, _HEADER + self.workers * row, row):
                     if base != mine:
                         i = base + at
                         f += cells[i]
@@ -125,7 +139,7 @@ class SharedLoadBoard:
         cells = self._cells
         at = rank * FIELDS
         f = p = d = 0
-        for base in range(0, self.workers * self._row, self._row):
+        for base in range(_HEADER, _HEADER + self.workers * self._row, self._row):
             f += cells[base + at]
             p += cells[base + at + PREFILL]
             d += cells[base + at + DECODE]
@@ -136,7 +150,7 @@ class SharedLoadBoard:
         requests died with it."""
         if not 0 <= worker < self.workers:
             raise ValueError(f"worker {worker} is out of range for {self.workers} workers")
-        start = worker * self._row
+        start = _HEADER + worker * self._row
         cells = self._cells
         for i in range(start, start + self._row):
             cells[i] = 0
@@ -147,3 +161,7 @@ class SharedLoadBoard:
         self._shm.close()
         if self._owner:
             self._shm.unlink()
+
+
+def _size(workers: int, max_ranks: int) -> int:
+    return (_HEADER + workers * max_ranks * FIELDS) * _ITEM

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.routing.base import Router
 from sidecar.routing.policy import RoutingConfig, build_router
+from sidecar.routing.shared_load import SharedLoadBoard
 from sidecar.types import (
     EngineInfo,
     KvEventSource,
@@ -78,12 +79,21 @@ async def until(condition: Callable[[], bool], within: float = 5.0) -> None:
 
 
 class EventRig:
-    """A started ``kv`` router subscribed to one test publisher per rank."""
+    """A started ``kv`` router subscribed to one test publisher per rank.
+
+    ``router`` is what the test routes with. Run ``shared``, it is the second of two workers,
+    which reads the first one's index from shared memory, and ``intake_router`` is that first
+    worker: every case about events then holds for a worker that receives none itself."""
 
     def __init__(
-        self, router: Router, publishers: list[TestPublisher], registry: CollectorRegistry
+        self,
+        router: Router,
+        publishers: list[TestPublisher],
+        registry: CollectorRegistry,
+        intake_router: Router | None = None,
     ) -> None:
         self.router = router
+        self.intake_router = intake_router or router
         self.publishers = publishers
         self.registry = registry
 
@@ -111,9 +121,12 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-@pytest_asyncio.fixture
-async def event_rig(registry: CollectorRegistry) -> AsyncIterator[RigFactory]:
+@pytest_asyncio.fixture(params=["alone", "shared"])
+async def event_rig(
+    request: pytest.FixtureRequest, registry: CollectorRegistry
+) -> AsyncIterator[RigFactory]:
     made: list[tuple[Router, list[TestPublisher]]] = []
+    boards: list[SharedLoadBoard] = []
 
     async def make(
         ranks: Sequence[int] = (0, 1),
@@ -127,18 +140,28 @@ async def event_rig(registry: CollectorRegistry) -> AsyncIterator[RigFactory]:
         sources = [
             KvEventSource(p.rank, p.endpoint, p.replay_endpoint, p.topic) for p in publishers
         ]
-        router = build_router(config or RoutingConfig(), registry)
+        info = engine_info(ranks, sources=sources, kv_blocks=kv_blocks, max_running=max_running)
+        intake_router = None
+        if request.param == "shared":
+            first = SharedLoadBoard.create(2)
+            second = SharedLoadBoard.attach(first.name, 2, 1)
+            boards[:0] = [second, first]
+            intake_router = build_router(config or RoutingConfig(), registry, first)
+            made.append((intake_router, []))
+            intake_router.configure(info)
+            await intake_router.start()
+        router = build_router(config or RoutingConfig(), registry, boards[0] if boards else None)
         made.append((router, publishers))
-        router.configure(
-            engine_info(ranks, sources=sources, kv_blocks=kv_blocks, max_running=max_running)
-        )
+        router.configure(info)
         await router.start()
         for publisher in publishers:
             await asyncio.to_thread(publisher.wait_subscribed)
-        return EventRig(router, publishers, registry)
+        return EventRig(router, publishers, registry, intake_router)
 
     yield make
     for router, publishers in made:
         await router.close()
         for publisher in publishers:
             publisher.close()
+    for board in boards:
+        board.close()

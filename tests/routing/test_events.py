@@ -282,5 +282,5 @@ async def test_an_idle_intake_sleeps_until_it_is_stopped(event_rig: RigFactory) 
     assert sample(rig.registry, "rankgate_kv_event_turns_total") == woken + 1
 
     started = time.monotonic()
-    await rig.router.close()
+    await rig.intake_router.close()
     assert time.monotonic() - started < 0.5
