@@ -94,7 +94,7 @@ def real_vllm(real_engines: RealEngines) -> EngineUnderTest:
     server = real_engines.get(
         "llama",
         lambda: start_real_vllm(
-            dp_size=CONFORMANCE_DP, block_size=CONFORMANCE_BLOCK, cpus=_engine_cpus()
+            dp_size=CONFORMANCE_DP, block_size=CONFORMANCE_BLOCK, cpus=_engine_cpus(), eager=True
         ),
     )
     return EngineUnderTest(
@@ -123,6 +123,7 @@ def real_llava(real_engines: RealEngines) -> RealVllm:
             model="llava",
             dev_endpoints=True,
             cpus=_engine_cpus(),
+            eager=True,
         ),
     )
 
@@ -144,7 +145,11 @@ def real_pd(real_engines: RealEngines) -> RealVllmPair:
     return real_engines.get(
         "pd",
         lambda: start_real_vllm_pair(
-            block_size=CONFORMANCE_BLOCK, dev_endpoints=True, cpus=first, decode_cpus=last
+            block_size=CONFORMANCE_BLOCK,
+            dev_endpoints=True,
+            cpus=first,
+            decode_cpus=last,
+            eager=True,
         ),
     )
 

@@ -6,6 +6,9 @@ than starting its own: a second DP=2 engine would cost another ~5 GiB and a minu
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import grpc
 import pytest
 import zmq
@@ -13,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zmq.utils.monitor import recv_monitor_message
 
 from tests.support.engines import EngineUnderTest
+from tests.support.real_vllm import RealVllmPair
 
 pytestmark = pytest.mark.real_vllm
 
@@ -44,3 +48,27 @@ def test_kv_event_publishers_accept_subscribers(real_vllm: EngineUnderTest) -> N
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+
+def test_each_side_of_the_pair_serves_on_its_own_cpus(real_pd: RealVllmPair) -> None:
+    """vLLM starts on every CPU and is confined once it serves: every thread of every process
+    in each engine's session, the Rust frontend's and the spinning workers' included."""
+    for side in (real_pd.prefill, real_pd.decode):
+        assert side.cpus, "the pair is served with --cpus and --decode-cpus"
+        placement = _session_affinities(side.pid)
+        assert len(placement) > 10, f"only {len(placement)} threads found in {side.pid}'s session"
+        assert set(placement.values()) == {frozenset(side.cpus)}, placement
+
+
+def _session_affinities(session: int) -> dict[int, frozenset[int]]:
+    affinities: dict[int, frozenset[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[3]) != session:
+                continue
+            for tid in os.listdir(f"/proc/{entry}/task"):
+                affinities[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return affinities

@@ -76,6 +76,10 @@ class RealVllm:
     model: str = "llama"
     # One side of a prefill/decode pair: "producer" or "consumer" (NIXL on the CPU).
     kv_role: str | None = None
+    # The ``vllm serve`` process, which leads a session of its own, and the CPUs that every
+    # thread of that session runs on once it serves (empty: unconfined).
+    pid: int = 0
+    cpus: tuple[int, ...] = ()
 
     def blocks_free(self, timeout: float = 30.0) -> bool:
         """Whether vLLM's block pool holds no request's KV, in the engine's own word.
@@ -256,14 +260,18 @@ def _engine(endpoints: dict[str, Any]) -> RealVllm:
         max_model_len=int(endpoints["max_model_len"]),
         model=str(endpoints.get("model", "llama")),
         kv_role=endpoints.get("kv_role"),
+        pid=int(endpoints["pid"]),
+        cpus=tuple(endpoints.get("cpus") or ()),
     )
 
 
 def _engine_options(
     model: str, block_size: int, max_model_len: int | None, dev_endpoints: bool, nice: int,
-    cpus: str | None,
+    cpus: str | None, eager: bool,
 ) -> list[str]:  # fmt: skip
     argv = ["--model", model, "--block-size", str(block_size), "--exit-with-parent"]
+    if eager:
+        argv.append("--eager")
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
     if dev_endpoints:
@@ -313,20 +321,22 @@ def start_real_vllm(
     dev_endpoints: bool = False,
     nice: int = 0,
     cpus: str | None = None,
+    eager: bool = False,
 ) -> Iterator[RealVllm]:
     """Serve real vLLM with KV events on for the ``with`` block; skip or fail if impossible.
 
     ``model`` is the tiny "llama" or the tiny "llava" (images); ``max_model_len`` past the
     model's own serves a copy with more positions; ``dev_endpoints`` opens vLLM's development
     routes such as ``/reset_prefix_cache``; ``nice`` lowers vLLM's CPU priority and ``cpus``
-    keeps it on those cores (``scripts/real-vllm serve --nice/--cpus``).
+    keeps it on those cores (``scripts/real-vllm serve --nice/--cpus``); ``eager`` skips
+    torch.compile, half a minute of start-up, for tests that do not measure the engine.
     """
     grpc_port, http_port, kv_port, replay_port = _reserve_ports(dp_size)
     argv = [
         "serve", "--dp-size", str(dp_size),
         "--grpc-port", str(grpc_port), "--http-port", str(http_port),
         "--kv-events-port", str(kv_port), "--kv-replay-port", str(replay_port),
-        *_engine_options(model, block_size, max_model_len, dev_endpoints, nice, cpus),
+        *_engine_options(model, block_size, max_model_len, dev_endpoints, nice, cpus, eager),
     ]  # fmt: skip
     with _serving(argv, "grpc_target") as endpoints:
         yield _engine(endpoints)
@@ -341,6 +351,7 @@ def start_real_vllm_pair(
     dev_endpoints: bool = False,
     nice: int = 0,
     cpus: str | None = None,
+    eager: bool = False,
     decode_cpus: str | None = None,
 ) -> Iterator[RealVllmPair]:
     """Serve a prefill engine and a decode engine (DP=1 each, KV events on, NIXL between them
@@ -353,7 +364,7 @@ def start_real_vllm_pair(
             f"--{side}kv-events-port", str(kv_port), f"--{side}kv-replay-port", str(replay_port),
             f"--{side}nixl-port", str(_reserve_ports(1)[0]),
         ]  # fmt: skip
-    argv += _engine_options(model, block_size, max_model_len, dev_endpoints, nice, cpus)
+    argv += _engine_options(model, block_size, max_model_len, dev_endpoints, nice, cpus, eager)
     if decode_cpus:
         argv += ["--decode-cpus", decode_cpus]
     with _serving(argv, "prefill") as endpoints:
