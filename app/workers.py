@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -55,6 +56,7 @@ STARTUP_FAILED = 3
 # More restarts than this within RESTART_WINDOW_S means something is wrong beyond one crash.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+# How often the supervisor looks again at workers it has killed, until they are gone.
 POLL_S = 0.2
 # How long workers get to drain after SIGTERM before they are killed.
 STOP_TIMEOUT_S = 90.0
@@ -107,6 +109,10 @@ class Supervisor:
         self.failed = False
         self._restarts: deque[float] = deque(maxlen=MAX_RESTARTS)
         self._context = multiprocessing.get_context("spawn")
+        # The supervisor sleeps until a worker exits or stop() writes here; it never polls.
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._waker.setblocking(False)
 
     def start(self, slot: _Slot) -> None:
         process = self._context.Process(
@@ -120,6 +126,8 @@ class Supervisor:
     def stop(self, *_: object) -> None:
         """Ask every worker to drain and exit (idempotent; safe in a signal handler)."""
         self.stopping = True
+        with contextlib.suppress(OSError):  # full: a wake-up is already pending
+            self._waker.send(b"\0")
         for slot in self.slots:
             process = slot.process
             if process is not None and process.pid is not None and process.exitcode is None:
@@ -157,8 +165,23 @@ class Supervisor:
                     deadline = time.monotonic() + STOP_TIMEOUT_S
                 elif time.monotonic() > deadline:
                     self._kill_all()
-            time.sleep(POLL_S)
+            self._sleep(deadline)
         return 1 if self.failed else 0
+
+    def _sleep(self, deadline: float | None) -> None:
+        """Until a worker exits, stop() is called, or the drain deadline (then every
+        ``POLL_S``) passes."""
+        waiting: list[int | socket.socket] = [self._wake]
+        waiting += [slot.process.sentinel for slot in self.slots if slot.process is not None]
+        timeout = None if deadline is None else max(POLL_S, deadline - time.monotonic())
+        if self._wake in wait(waiting, timeout):
+            with contextlib.suppress(OSError):
+                while self._wake.recv(64):
+                    pass
+
+    def close(self) -> None:
+        self._wake.close()
+        self._waker.close()
 
     def _reap(self, slot: _Slot, process: BaseProcess) -> int:
         """Forget a worker that exited; its exit status."""
@@ -256,6 +279,7 @@ def run_workers(settings: GatewaySettings) -> int:
                 supervisor.stop()
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+                supervisor.close()
     finally:
         board.close()
         sock.close()

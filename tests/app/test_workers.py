@@ -234,6 +234,22 @@ def test_two_workers_serve_one_port_and_share_load(gateway: Gateway) -> None:
     assert value(text, "rankgate_routing_prompt_tokens_total") == prompt_tokens
 
 
+def _voluntary_switches(pid: int) -> int:
+    """How often ``pid``'s main thread has gone to sleep: once per wake-up."""
+    for line in Path(f"/proc/{pid}/task/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def test_an_idle_supervisor_sleeps_until_a_worker_exits(gateway: Gateway) -> None:
+    """The supervisor waits on its workers' exits rather than polling them, so an idle one
+    costs nothing (polling every 0.2 s woke it ten times in these two seconds)."""
+    before = _voluntary_switches(gateway.process.pid)
+    time.sleep(2)
+    assert _voluntary_switches(gateway.process.pid) - before <= 1
+
+
 def test_a_crashed_worker_is_replaced_and_its_load_forgotten(gateway: Gateway) -> None:
     before = gateway.workers()
     assert len(before) == 2
