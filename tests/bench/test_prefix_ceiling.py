@@ -3,20 +3,11 @@ from a Prometheus exposition like real vLLM 0.32's (one label set per engine).""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "prefix_ceiling", Path(__file__).resolve().parents[2] / "bench" / "prefix_ceiling.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-prefix_ceiling = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("prefix_ceiling", prefix_ceiling)
-_spec.loader.exec_module(prefix_ceiling)
+from tests.bench.load import bench_module
+
+prefix_ceiling = bench_module("prefix_ceiling")
 CacheCounters = prefix_ceiling.CacheCounters
 ceiling = prefix_ceiling.ceiling
 parse_counters = prefix_ceiling.parse_counters

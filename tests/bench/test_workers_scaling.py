@@ -4,20 +4,12 @@ workers figure is the median of these ratios."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "workers_scaling", Path(__file__).resolve().parents[2] / "bench" / "workers_scaling.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-workers_scaling = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("workers_scaling", workers_scaling)
-_spec.loader.exec_module(workers_scaling)
+from tests.bench.load import bench_module
+
+workers_scaling = bench_module("workers_scaling")
 Drive = workers_scaling.Drive
 
 
