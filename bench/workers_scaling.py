@@ -300,6 +300,8 @@ class Gateway:
     workers: int
     ports: list[int]
     pids: list[int]
+    # Each thread's user and system CPU seconds per second while idle, before any run.
+    idle_threads: dict[ThreadKey, list[float]]
 
 
 def _drive(gateway: Gateway, engine: int, args: argparse.Namespace, seconds: float) -> Drive:
@@ -378,11 +380,16 @@ def start(
         process = stack.enter_context(_process(_command(port, count, engine, args)))
         _wait_ready(f"http://127.0.0.1:{port}", process)
         pids += _tree(process.pid)
-    gateway = Gateway(workers, [port for port, _ in layout], pids)
+    gateway = Gateway(workers, [port for port, _ in layout], pids, {})
     _drive(gateway, engine_pid, args, 2.0)  # warm-up: connections and lazy paths
-    idle_before, idle_started = _cpu(pids), time.perf_counter()
-    time.sleep(IDLE_S)
-    return gateway, (_cpu(pids) - idle_before) / (time.perf_counter() - idle_started)
+    before, idle_before, idle_started = _threads(pids), _cpu(pids), time.perf_counter()
+    time.sleep(args.idle)
+    idle = time.perf_counter() - idle_started
+    _tally(gateway.idle_threads, before, _threads(pids))
+    for spent in gateway.idle_threads.values():
+        spent[0] /= idle
+        spent[1] /= idle
+    return gateway, (_cpu(pids) - idle_before) / idle
 
 
 def measure(workers: int, engine: str, engine_pid: int, args: argparse.Namespace) -> Result:
@@ -399,6 +406,8 @@ class Interleaved:
     ratios: list[float]
     # Per count, each thread's user and system CPU seconds over all its turns.
     threads: list[dict[ThreadKey, list[float]]]
+    # Per count, each thread's user and system CPU seconds per second idle.
+    idle: list[dict[ThreadKey, list[float]]]
 
 
 def measure_interleaved(
@@ -428,7 +437,8 @@ def measure_interleaved(
         for total, count, (_, idle) in zip(totals, counts, started, strict=True)
         if total is not None
     ]
-    return Interleaved(results, ratios, threads)
+    idle = [gateway.idle_threads for gateway, _ in started]
+    return Interleaved(results, ratios, threads, idle)
 
 
 def _cpu_split(text: str) -> tuple[set[int], set[int]]:
@@ -468,6 +478,12 @@ def main() -> None:
         "--separate",
         action="store_true",
         help="control: a count N > 1 runs N independent one-worker gateways",
+    )
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=IDLE_S,
+        help="seconds each gateway is left idle after its warm-up, to read its idle CPU",
     )
     parser.add_argument(
         "--rounds",
@@ -571,6 +587,14 @@ def main() -> None:
                     print(
                         f"  {result.workers} worker(s), process {place}, {name:<14} "
                         f"{user * per:6.0f} + {system * per:4.0f} us"
+                    )
+        print(f"idle, user + system CPU per second, by thread ({args.idle:.0f} s):")
+        for result, spent in zip(results, interleaved.idle, strict=True):
+            for (place, name), (user, system) in sorted(spent.items()):
+                if user + system > 0:
+                    print(
+                        f"  {result.workers} worker(s), process {place}, {name:<14} "
+                        f"{user * 1000:6.1f} + {system * 1000:4.1f} ms/s"
                     )
 
 
