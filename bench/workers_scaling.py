@@ -76,14 +76,23 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
+def _stat(path: Path) -> tuple[str, float, float] | None:
+    """A process's or thread's name, and its user and system CPU seconds; None once gone."""
+    try:
+        stat = path.read_text()
+    except FileNotFoundError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return name, int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
 def _cpu(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / TICKS
+        found = _stat(Path(f"/proc/{pid}/stat"))
+        if found is not None:
+            total += found[1] + found[2]
     return total
 
 
@@ -101,15 +110,12 @@ def _threads(pids: list[int]) -> dict[tuple[int, int], tuple[ThreadKey, float, f
         except FileNotFoundError:
             continue
         for task in tasks:
-            try:
-                stat = (task / "stat").read_text()
-            except FileNotFoundError:
+            thread = _stat(task / "stat")
+            if thread is None:
                 continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
+            name, user, system = thread
             tid = int(task.name)
-            key = (place, "main" if tid == pid else name)
-            found[pid, tid] = (key, int(fields[11]) / TICKS, int(fields[12]) / TICKS)
+            found[pid, tid] = ((place, "main" if tid == pid else name), user, system)
     return found
 
 

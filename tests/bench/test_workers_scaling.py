@@ -1,5 +1,5 @@
-"""bench/workers_scaling.py: how its figures are formed from the runs, since the README's
-workers figure is the median of these ratios."""
+"""bench/workers_scaling.py: how its figures are formed from the runs (pairs of sequential
+runs, and the sums of interleaved turns), since the README quotes them."""
 
 from __future__ import annotations
 
