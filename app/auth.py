@@ -8,6 +8,10 @@ Keys are kept only as SHA-256 digests and every presented key is compared agains
 configured one with :func:`hmac.compare_digest`, so neither the comparison's timing nor its
 length reveals which key, or which prefix of one, was close. Keys never appear in logs, reprs
 or error messages. /health and /ready stay open: orchestrators probe them without secrets.
+
+Each key is also a tenant: the middleware puts the matched key's digest in the request's
+state (:func:`tenant_of`), and what a request stores for later (stored responses) is visible
+only to requests of the same tenant.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,6 +30,7 @@ from app.errors import ApiError
 
 API_KEY_ENV = "RANKGATE_API_KEY"
 _BEARER = b"bearer "
+_TENANT = "rankgate_tenant"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +95,18 @@ class ApiKeyAuth:
         )
 
     def allowed(self, header: bytes | None) -> bool:
+        return self.tenant(header) is not None
+
+    def tenant(self, header: bytes | None) -> bytes | None:
+        """The digest of the configured key ``header`` presents, or None. Every key is
+        compared, whichever matches, so the time taken does not say which one did."""
         if header is None or header[:7].lower() != _BEARER:
-            return False
+            return None
         presented = _digest(header[7:].strip())
-        match = False
+        match: bytes | None = None
         for digest in self._digests:
-            match |= hmac.compare_digest(presented, digest)
+            if hmac.compare_digest(presented, digest):
+                match = digest
         return match
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -107,7 +118,9 @@ class ApiKeyAuth:
             if name == b"authorization":
                 header = value
                 break
-        if self.allowed(header):
+        tenant = self.tenant(header)
+        if tenant is not None:
+            scope.setdefault("state", {})[_TENANT] = tenant
             await self.app(scope, receive, send)
             return
         body = (_MISSING if header is None else _WRONG).body()
@@ -118,6 +131,12 @@ class ApiKeyAuth:
         ]
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def tenant_of(request: Request) -> bytes | None:
+    """The tenant (its key's digest) a request was admitted as; None when no keys are set."""
+    state = request.scope.get("state")
+    return None if state is None else state.get(_TENANT)
 
 
 def install_access(app: FastAPI, config: AccessConfig) -> None:

@@ -6,6 +6,9 @@ Each entry keeps the response body as the client got it and the conversation it 
 so an entry's size is known exactly and nothing stored can change. Entries leave oldest
 first, when any bound is reached or their time to live is over.
 
+An entry belongs to the tenant (API key) that stored it: asked for by any other tenant it is
+not there, with the same 404 as an id never issued, so ids cannot be probed across tenants.
+
 A response id carries the tag of the process that made it. With ``--workers`` each worker
 has its own store, and a follow-up that reaches another worker is refused with a 404 that
 says so (``code: response_on_other_worker``) rather than served without its history.
@@ -13,6 +16,7 @@ says so (``code: response_on_other_worker``) rather than served without its hist
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -51,6 +55,7 @@ class _Entry:
     body: bytes
     conversation: bytes
     expires: float
+    owner: bytes | None
 
     @property
     def size(self) -> int:
@@ -83,10 +88,17 @@ class ResponseStore:
     def new_id(self) -> str:
         return ID_PREFIX + self._tag + os.urandom(12).hex()
 
-    def put(self, response_id: str, body: bytes, conversation: tuple[Message, ...]) -> bool:
-        """Keep a finished response; False when it alone exceeds the bounds."""
+    def put(
+        self,
+        response_id: str,
+        body: bytes,
+        conversation: tuple[Message, ...],
+        owner: bytes | None = None,
+    ) -> bool:
+        """Keep a finished response for ``owner``; False when it alone exceeds the bounds."""
         limits = self.limits
-        entry = _Entry(body, _ENCODER.encode(conversation), self._clock() + limits.ttl_s)
+        expires = self._clock() + limits.ttl_s
+        entry = _Entry(body, _ENCODER.encode(conversation), expires, owner)
         if limits.max_entries == 0 or entry.size > limits.max_bytes:
             log.debug("response %s (%d bytes) is too large to store", response_id, entry.size)
             return False
@@ -96,20 +108,21 @@ class ResponseStore:
         self._evict()
         return True
 
-    def body(self, response_id: str, param: str = "response_id") -> bytes:
-        return self._get(response_id, param).body
+    def body(self, response_id: str, owner: bytes | None = None) -> bytes:
+        return self._get(response_id, owner, "response_id").body
 
-    def conversation(self, response_id: str, param: str = "previous_response_id") -> list[Message]:
-        return _MESSAGES.decode(self._get(response_id, param).conversation)
+    def conversation(self, response_id: str, owner: bytes | None = None) -> list[Message]:
+        entry = self._get(response_id, owner, "previous_response_id")
+        return _MESSAGES.decode(entry.conversation)
 
-    def delete(self, response_id: str) -> None:
-        self._get(response_id, "response_id")
+    def delete(self, response_id: str, owner: bytes | None = None) -> None:
+        self._get(response_id, owner, "response_id")
         self._drop(response_id)
 
-    def _get(self, response_id: str, param: str) -> _Entry:
+    def _get(self, response_id: str, owner: bytes | None, param: str) -> _Entry:
         self._evict()
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or not _same_owner(entry.owner, owner):
             raise response_not_found(response_id, param, self._elsewhere(response_id))
         return entry
 
@@ -138,3 +151,9 @@ class ResponseStore:
             ):
                 return
             self._drop(oldest_id)
+
+
+def _same_owner(stored: bytes | None, asking: bytes | None) -> bool:
+    if stored is None or asking is None:
+        return stored is asking
+    return hmac.compare_digest(stored, asking)

@@ -13,6 +13,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from app.auth import tenant_of
 from app.errors import ApiError
 from app.limits import InputLimits
 from app.observe import RequestRecord, Tracked, observer_of
@@ -65,6 +66,7 @@ async def create_response(request: Request) -> Response:
 async def _serve(request: Request, record: RequestRecord) -> Response:
     gateway = gateway_of(request)
     store = store_of(request)
+    tenant = tenant_of(request)
     req = await decode_body(request, RESPONSES_DECODER)
     target = await gateway.models.resolve(req.model)
     info = gateway.engine.info
@@ -72,7 +74,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     record.stream = req.stream
     history: list[Message] = []
     if req.previous_response_id is not None:
-        history = store.conversation(req.previous_response_id)
+        history = store.conversation(req.previous_response_id, tenant)
     limits: InputLimits = request.app.state.limits
     turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
@@ -94,7 +96,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     tokenizer = gateway.tokenizer
 
     def keep(response: ResponseObject, body: bytes) -> None:
-        store.put(response.id, body, stored_conversation(turn.conversation, response))
+        store.put(response.id, body, stored_conversation(turn.conversation, response), tenant)
 
     ctx = ResponsesContext(
         base=initial_response(req, store.new_id(), int(time.time())),
@@ -126,7 +128,8 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     responses=json_response("ResponseObject"),
 )
 async def get_response(response_id: str, request: Request) -> Response:
-    return Response(store_of(request).body(response_id), media_type="application/json")
+    body = store_of(request).body(response_id, tenant_of(request))
+    return Response(body, media_type="application/json")
 
 
 @router.delete(
@@ -136,5 +139,5 @@ async def get_response(response_id: str, request: Request) -> Response:
     responses=json_response("ResponseDeleted"),
 )
 async def delete_response(response_id: str, request: Request) -> Response:
-    store_of(request).delete(response_id)
+    store_of(request).delete(response_id, tenant_of(request))
     return Response(_ENCODER.encode(ResponseDeleted(id=response_id)), media_type="application/json")

@@ -71,3 +71,32 @@ def test_limits_are_validated() -> None:
         StoreLimits(ttl_s=-1)
     store = ResponseStore(StoreLimits(max_entries=0))
     assert not store.put(store.new_id(), b"{}", TURN)
+
+
+@pytest.mark.parametrize(
+    ("stored", "asking", "visible"),
+    [
+        (None, None, True),
+        (b"a" * 32, b"a" * 32, True),
+        (b"a" * 32, b"b" * 32, False),
+        (b"a" * 32, None, False),
+        (None, b"a" * 32, False),
+    ],
+)
+def test_an_entry_is_visible_only_to_its_owner(
+    stored: bytes | None, asking: bytes | None, visible: bool
+) -> None:
+    store = ResponseStore(StoreLimits())
+    rid = store.new_id()
+    store.put(rid, b"{}", TURN, stored)
+    if not visible:
+        for call in (store.body, store.conversation, store.delete):
+            with pytest.raises(ApiError) as refused:
+                call(rid, asking)
+            assert refused.value.status == 404
+        assert len(store) == 1
+        return
+    assert store.body(rid, asking) == b"{}"
+    assert tuple(store.conversation(rid, asking)) == TURN
+    store.delete(rid, asking)
+    assert len(store) == 0

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from app.auth import AccessConfig
 from app.prepare.template import ChatTemplate
 from app.prepare.tokenizer import TextTokenizer
 from app.server import create_app
@@ -281,3 +282,56 @@ def test_openapi_documents_the_endpoints(scripted_http) -> None:
     for name in ("ResponsesRequest", "ResponseObject", "MessageItem", "FunctionCallOutputItem"):
         assert name in schemas
     assert "max_output_tokens" in schemas["ResponsesRequest"]["properties"]
+
+
+TENANT_KEYS = ("sk-tenant-a-5e1c", "sk-tenant-b-93f0")
+
+
+def _as(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _error_without_id(response: httpx.Response, response_id: str) -> dict[str, Any]:
+    error = response.json()["error"]
+    return {**error, "message": error["message"].replace(response_id, "<id>")}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stored_response_belongs_to_its_key(scripted: ScriptedEngine, stream: bool) -> None:
+    """Every verb on a stored response answers another key exactly as it answers an id that
+    was never issued, so neither the content nor the id's existence crosses tenants."""
+    settings = GatewaySettings(access=AccessConfig(api_keys=TENANT_KEYS))
+    owner, other = (_as(key) for key in TENANT_KEYS)
+    with (
+        serve_app(create_app(settings, engine=scripted)) as url,
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
+        body = {"model": SCRIPTED_MODEL, "input": "secret", "stream": stream}
+        made = http.post("/v1/responses", json=body, headers=owner)
+        assert made.status_code == 200, made.text
+        rid = events_of(made)[-1]["response"]["id"] if stream else made.json()["id"]
+        unknown = "resp_" + "f" * (len(rid) - 5)
+
+        def follow_up(response_id: str, headers: dict[str, str]) -> httpx.Response:
+            return post_as(http, headers, input="more", previous_response_id=response_id)
+
+        verbs = {
+            "get": lambda i, h: http.get(f"/v1/responses/{i}", headers=h),
+            "delete": lambda i, h: http.delete(f"/v1/responses/{i}", headers=h),
+            "previous_response_id": follow_up,
+        }
+        for verb, call in verbs.items():
+            refused, never_issued = call(rid, other), call(unknown, other)
+            assert refused.status_code == never_issued.status_code == 404, verb
+            assert _error_without_id(refused, rid) == _error_without_id(never_issued, unknown)
+        # The refusals changed nothing: the owner still reads, continues and deletes it.
+        got = http.get(f"/v1/responses/{rid}", headers=owner)
+        assert got.status_code == 200
+        assert got.json()["id"] == rid
+        assert follow_up(rid, owner).status_code == 200
+        assert http.delete(f"/v1/responses/{rid}", headers=owner).status_code == 200
+        assert http.get(f"/v1/responses/{rid}", headers=owner).status_code == 404
+
+
+def post_as(http: httpx.Client, headers: dict[str, str], **body: Any) -> httpx.Response:
+    return http.post("/v1/responses", json={"model": SCRIPTED_MODEL, **body}, headers=headers)
