@@ -26,6 +26,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/rankgate
 COPY pyproject.toml README.md ./
+# rankgate/ links the four folders into the one namespace the wheel installs.
+COPY rankgate ./rankgate
 COPY app ./app
 COPY sidecar ./sidecar
 COPY multimodal ./multimodal

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sidecar.admission import GROUP, Admission
+from rankgate.sidecar import ADMISSION_GROUP, Admission
 
 
 class AdmissionCollector(Collector):
@@ -44,8 +44,8 @@ class AdmissionCollector(Collector):
         admission = self._source()
         if admission is not None:
             for snap in admission.snapshot():
-                rank = "any" if snap.key == GROUP else str(snap.key)
-                if snap.key != GROUP or admission.group:
+                rank = "any" if snap.key == ADMISSION_GROUP else str(snap.key)
+                if snap.key != ADMISSION_GROUP or admission.group:
                     limit.add_metric([rank], snap.limit)
                     in_use.add_metric([rank], snap.in_use)
                 waiting.add_metric([rank], snap.waiting)

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import ApiError
+from rankgate.app.errors import ApiError
 
 API_KEY_ENV = "RANKGATE_API_KEY"
 _BEARER = b"bearer "

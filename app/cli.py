@@ -13,17 +13,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app import __version__
-from app.access_log import LOG_FORMATS, configure_logging
-from app.auth import API_KEY_ENV, AccessConfig, load_keys
-from app.connections import ConnectionLimits
-from app.limits import InputLimits
-from app.respond.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSERS
-from app.response_store import StoreLimits
-from app.routing_flags import add_routing_arguments, routing_from_args
-from app.settings import GatewaySettings
-from multimodal.types import MediaConfig
-from sidecar.admission import AdmissionConfig
+from rankgate import __version__
+from rankgate.app.access_log import LOG_FORMATS, configure_logging
+from rankgate.app.auth import API_KEY_ENV, AccessConfig, load_keys
+from rankgate.app.connections import ConnectionLimits
+from rankgate.app.limits import InputLimits
+from rankgate.app.respond.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSERS
+from rankgate.app.response_store import StoreLimits
+from rankgate.app.routing_flags import add_routing_arguments, routing_from_args
+from rankgate.app.settings import GatewaySettings
+from rankgate.multimodal import MediaConfig
+from rankgate.sidecar import AdmissionConfig
 
 POLICIES = ("kv", "load", "round_robin", "engine")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -532,10 +532,10 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
 def serve(settings: GatewaySettings) -> int:
     configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:
-        from app.workers import run_workers
+        from rankgate.app.workers import run_workers
 
         return run_workers(settings)
-    from app.process import serve_worker
+    from rankgate.app.process import serve_worker
 
     return serve_worker(settings)
 
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hardening_arguments(serve_parser)
     add_routing_arguments(serve_parser, _env)
     serve_parser.set_defaults(handler=lambda args: serve(settings_from_args(args)))
-    from mocker.cli import register
+    from rankgate.mocker.cli import register
 
     register(sub)
     return parser

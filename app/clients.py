@@ -28,7 +28,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.connections import DISCONNECT_NOTICE, DisconnectNotice
+from rankgate.app.connections import DISCONNECT_NOTICE, DisconnectNotice
 
 log = logging.getLogger(__name__)
 

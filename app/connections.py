@@ -38,7 +38,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from app.errors import ApiError
+from rankgate.app.errors import ApiError
 
 log = logging.getLogger(__name__)
 

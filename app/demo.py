@@ -12,11 +12,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from app.settings import GatewaySettings
+from rankgate.app.settings import GatewaySettings
 
 if TYPE_CHECKING:
-    from mocker.demo import DemoEngine
-    from mocker.transfer import Role
+    from rankgate.mocker.demo import DemoEngine
+    from rankgate.mocker.transfer import Role
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def demo_engines(settings: GatewaySettings) -> Iterator[GatewaySettings]:
         yield settings
         return
     # Imported here: a gateway in front of vLLM never loads the mock.
-    from mocker.demo import DP_SIZE, demo_engine
+    from rankgate.mocker.demo import DP_SIZE, demo_engine
 
     with ExitStack() as stack:
 

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from sidecar.errors import (
+from rankgate.sidecar import (
     BadEngineResponse,
     DiscoveryError,
     EngineFailure,

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import as_api_error
+from rankgate.app.errors import as_api_error
 
 Handler = Callable[[Request], Awaitable[Response]]
 

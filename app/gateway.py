@@ -12,21 +12,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from app.limits import InputLimits
-from app.prepare.chat import ChatPreparer, ChatSettings
-from app.prepare.completion import CompletionPreparer
-from app.prepare.media import IMAGE_PLACEHOLDERS, MediaHook
-from app.prepare.models import ModelRegistry
-from app.prepare.template import ChatTemplate
-from app.prepare.tokenizer import TextTokenizer, locate_tokenizer
-from app.respond.parsers import (
+from rankgate.app.limits import InputLimits
+from rankgate.app.prepare.chat import ChatPreparer, ChatSettings
+from rankgate.app.prepare.completion import CompletionPreparer
+from rankgate.app.prepare.media import IMAGE_PLACEHOLDERS, MediaHook
+from rankgate.app.prepare.models import ModelRegistry
+from rankgate.app.prepare.template import ChatTemplate
+from rankgate.app.prepare.tokenizer import TextTokenizer, locate_tokenizer
+from rankgate.app.respond.parsers import (
     REASONING_PARSER_NAMES,
     TOOL_CALL_PARSERS,
     canonical_reasoning_parser,
     canonical_tool_parser,
     vocabulary,
 )
-from sidecar.types import Delta, EngineInfo, PreparedRequest
+from rankgate.sidecar import Delta, EngineInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
 

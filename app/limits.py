@@ -27,9 +27,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.errors import ApiError, client_gone, invalid
-from app.headers import request_header
-from app.json_shape import JsonShape, could_exceed, json_shape
+from rankgate.app.errors import ApiError, client_gone, invalid
+from rankgate.app.headers import request_header
+from rankgate.app.json_shape import JsonShape, could_exceed, json_shape
 
 log = logging.getLogger(__name__)
 

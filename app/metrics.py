@@ -52,9 +52,7 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from sidecar.plain_metrics import PlainHistogram, merge_count
-from sidecar.routing.metrics import RouteTally, routing_metrics
-from sidecar.types import EngineInfo
+from rankgate.sidecar import EngineInfo, PlainHistogram, RouteTally, merge_count, routing_metrics
 
 ENDPOINTS = ("chat", "completions", "responses")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

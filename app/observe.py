@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from app.access_log import AccessLog
-from app.metrics import GatewayMetrics, Observation
-from app.respond.merge import close_stream
-from sidecar.types import Delta
+from rankgate.app.access_log import AccessLog
+from rankgate.app.metrics import GatewayMetrics, Observation
+from rankgate.app.respond.merge import close_stream
+from rankgate.sidecar import Delta
 
 if TYPE_CHECKING:
-    from app.tracing import RequestSpans
+    from rankgate.app.tracing import RequestSpans
 
 
 class RequestRecord:

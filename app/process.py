@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import socket
 
-from app.connections import uvicorn_config
-from app.server import create_app
-from app.settings import GatewaySettings
-from app.shutdown import BACKSTOP_S, GracefulServer
-from sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.app.connections import uvicorn_config
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.app.shutdown import BACKSTOP_S, GracefulServer
+from rankgate.sidecar import SharedLoadBoard
 
 
 def serve_worker(

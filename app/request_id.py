@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from app.errors import ApiError, invalid
+from rankgate.app.errors import ApiError, invalid
 
 HEADER = "x-request-id"
 MAX_LENGTH = 128

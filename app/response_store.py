@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from app.errors import response_not_found
-from app.schemas.requests import Message
+from rankgate.app.errors import response_not_found
+from rankgate.app.schemas.requests import Message
 
 log = logging.getLogger(__name__)
 

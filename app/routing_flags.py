@@ -15,8 +15,7 @@ from typing import Any
 
 import msgspec
 
-from sidecar.routing.events import IntakeSettings
-from sidecar.routing.policy import RoutingConfig
+from rankgate.sidecar import IntakeSettings, RoutingConfig
 
 # ``app.cli``'s environment reader: (flag name, default, converter) -> value.
 EnvReader = Callable[[str, Any, Callable[[str], Any]], Any]

@@ -17,36 +17,31 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from app import __version__
-from app.access_log import AccessLog
-from app.admission import AdmissionCollector
-from app.auth import install_access
-from app.clients import ClientWatch
-from app.demo import demo_engines
-from app.errors import install_error_handlers
-from app.fastpath import FastPath, FastPathApp
-from app.gateway import Engine, Gateway, ServingOptions
-from app.gc_tuning import tune_after_startup
-from app.metrics import EngineProbe, GatewayMetrics
-from app.observe import RequestObserver
-from app.prepare.media import MediaHook
-from app.prepare.tokenizer import TokenizerNotFound, locate_tokenizer
-from app.response_store import ResponseStore
-from app.routes import chat, completions, models, ops, responses, tokenize
-from app.schemas.openapi import install_openapi
-from app.settings import GatewaySettings
-from app.shutdown import Shutdown
-from multimodal import MediaPreparer
-from sidecar.admission import Admission
-from sidecar.errors import SidecarError
-from sidecar.routing.shared_load import SharedLoadBoard
-from sidecar.types import EngineInfo
+from rankgate import __version__
+from rankgate.app.access_log import AccessLog
+from rankgate.app.admission import AdmissionCollector
+from rankgate.app.auth import install_access
+from rankgate.app.clients import ClientWatch
+from rankgate.app.demo import demo_engines
+from rankgate.app.errors import install_error_handlers
+from rankgate.app.fastpath import FastPath, FastPathApp
+from rankgate.app.gateway import Engine, Gateway, ServingOptions
+from rankgate.app.gc_tuning import tune_after_startup
+from rankgate.app.metrics import EngineProbe, GatewayMetrics
+from rankgate.app.observe import RequestObserver
+from rankgate.app.prepare.media import MediaHook
+from rankgate.app.prepare.tokenizer import TokenizerNotFound, locate_tokenizer
+from rankgate.app.response_store import ResponseStore
+from rankgate.app.routes import chat, completions, models, ops, responses, tokenize
+from rankgate.app.schemas.openapi import install_openapi
+from rankgate.app.settings import GatewaySettings
+from rankgate.app.shutdown import Shutdown
+from rankgate.multimodal import MediaPreparer
+from rankgate.sidecar import Admission, EngineInfo, SharedLoadBoard, SidecarError
 
 if TYPE_CHECKING:
-    from app.tracing import Tracing
-    from sidecar.disagg import DisaggregatedEngine
-    from sidecar.engine import Sidecar
-    from sidecar.routing.base import Router
+    from rankgate.app.tracing import Tracing
+    from rankgate.sidecar import DisaggregatedEngine, Router, Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +149,7 @@ def create_app(
 
 def _tracing(endpoint: str) -> Tracing:
     try:
-        from app.tracing import Tracing
+        from rankgate.app.tracing import Tracing
     except ImportError as exc:
         raise ValueError(
             f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'rankgate[tracing]' ({exc})"
@@ -169,8 +164,7 @@ async def _start_sidecar(
     stack: AsyncExitStack,
     shared_load: SharedLoadBoard | None,
 ) -> Engine:
-    from sidecar.disagg import DisaggregatedEngine, routing_for
-    from sidecar.routing.policy import build_router
+    from rankgate.sidecar import DisaggregatedEngine, build_router, routing_for
 
     settings = await asyncio.to_thread(stack.enter_context, demo_engines(settings))
     routing = settings.routing_config()
@@ -195,8 +189,7 @@ async def _start_sidecar(
 
 
 def _sidecar(settings: GatewaySettings, endpoint: str, router: Router) -> Sidecar:
-    from sidecar.config import SidecarConfig
-    from sidecar.engine import Sidecar
+    from rankgate.sidecar import Sidecar, SidecarConfig
 
     config = SidecarConfig(
         endpoint=endpoint,

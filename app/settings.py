@@ -6,13 +6,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from app.auth import AccessConfig
-from app.connections import ConnectionLimits
-from app.limits import InputLimits
-from app.response_store import StoreLimits
-from multimodal.types import MediaConfig
-from sidecar.admission import AdmissionConfig
-from sidecar.routing.policy import RoutingConfig
+from rankgate.app.auth import AccessConfig
+from rankgate.app.connections import ConnectionLimits
+from rankgate.app.limits import InputLimits
+from rankgate.app.response_store import StoreLimits
+from rankgate.multimodal import MediaConfig
+from rankgate.sidecar import AdmissionConfig, RoutingConfig
 
 
 @dataclass(frozen=True, kw_only=True)

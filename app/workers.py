@@ -42,11 +42,11 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
-from app.access_log import configure_logging
-from app.demo import demo_engines
-from app.metrics import FLUSH_SIGNAL, MULTIPROC_ENV, SNAPSHOT_PREFIX
-from app.settings import GatewaySettings
-from sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.app.access_log import configure_logging
+from rankgate.app.demo import demo_engines
+from rankgate.app.metrics import FLUSH_SIGNAL, MULTIPROC_ENV, SNAPSHOT_PREFIX
+from rankgate.app.settings import GatewaySettings
+from rankgate.sidecar import SharedLoadBoard
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def worker_main(
     """A worker process: one gateway on the supervisor's socket and its row of the board."""
     # A sibling's scrape may ask for this worker's metrics before its loop can answer.
     signal.signal(FLUSH_SIGNAL, signal.SIG_IGN)
-    from app.process import serve_worker
+    from rankgate.app.process import serve_worker
 
     configure_logging(settings.log_level, settings.log_format)
     board = SharedLoadBoard.attach(board_name, settings.workers, worker)

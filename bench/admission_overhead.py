@@ -19,8 +19,8 @@ import asyncio
 import random
 import time
 
-from sidecar.admission import Admission, AdmissionConfig
-from sidecar.types import EngineInfo, RankCapacity
+from rankgate.sidecar.admission import Admission, AdmissionConfig
+from rankgate.sidecar.types import EngineInfo, RankCapacity
 
 
 def engine_info(ranks: int, max_running: int) -> EngineInfo:

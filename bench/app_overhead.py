@@ -20,9 +20,9 @@ from typing import Any
 
 import orjson
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"

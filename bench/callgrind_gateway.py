@@ -117,7 +117,7 @@ def main() -> None:
         argv = [
             "valgrind", "--tool=callgrind", "--instr-atstart=no", "--vgdb=yes",
             f"--callgrind-out-file={args.out}.%p",
-            sys.executable, "-m", "app.cli", "serve", "--engine", engine.target,
+            sys.executable, "-m", "rankgate.app.cli", "serve", "--engine", engine.target,
             "--port", str(port), "--tokenizer", str(engine.model_dir), "--policy", "kv",
             "--log-level", "warning",
         ]  # fmt: skip

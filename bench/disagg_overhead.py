@@ -25,13 +25,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mocker.config import MockEngineConfig
-from mocker.transfer import Role
-from sidecar.config import SidecarConfig
-from sidecar.disagg import DisaggregatedEngine, routing_for
-from sidecar.engine import Sidecar
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import Delta, PreparedRequest, SamplingParams, StoppingParams
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.transfer import Role
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.disagg import DisaggregatedEngine, routing_for
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import Delta, PreparedRequest, SamplingParams, StoppingParams
 
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
 
@@ -50,7 +50,7 @@ def _cpu() -> float:
 def _serve(configs: list[MockEngineConfig], core: int, ready: Any, stop: Any) -> None:
     if hasattr(os, "sched_setaffinity") and core >= 0:
         os.sched_setaffinity(0, {core})
-    from mocker.server import MockServer
+    from rankgate.mocker.server import MockServer
 
     async def main() -> None:
         servers = [MockServer(config) for config in configs]

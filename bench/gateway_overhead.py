@@ -199,12 +199,12 @@ def main() -> None:
     args = parser.parse_args()
     engine_port, http_port = _port(), _port()
     mock = [
-        sys.executable, "-m", "mocker", "--port", str(engine_port), "--dp-size", "2",
+        sys.executable, "-m", "rankgate.mocker", "--port", str(engine_port), "--dp-size", "2",
         "--speed", str(args.mock_speed), "--model", MODEL, "--tokenizer", str(TOKENIZER),
         "--max-model-len", "4096", "--log-level", "warning",
     ]  # fmt: skip
     gateway = [
-        sys.executable, "-m", "app.cli", "serve", "--engine", f"127.0.0.1:{engine_port}",
+        sys.executable, "-m", "rankgate.app.cli", "serve", "--engine", f"127.0.0.1:{engine_port}",
         "--port", str(http_port), "--tokenizer", str(TOKENIZER), "--log-level", "warning",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{http_port}"

@@ -30,11 +30,11 @@ from typing import Any
 
 import hpack
 
-import sidecar
-from mocker import h2server
-from sidecar import http2
-from sidecar.inference_client import GENERATE_STREAM
-from sidecar.proto.vllm import inference_pb2
+import rankgate
+from rankgate.mocker import h2server
+from rankgate.sidecar import http2
+from rankgate.sidecar.inference_client import GENERATE_STREAM
+from rankgate.sidecar.proto.vllm import inference_pb2
 
 _HEAD = struct.Struct(">HBBBL")
 _TOKEN = inference_pb2.GenerateResponse(
@@ -182,7 +182,7 @@ async def _measure(args: argparse.Namespace) -> None:
     client = min(_client(args.messages, args.batch) for _ in range(args.repeats))
     requests = min(_requests(args.messages // 4) for _ in range(args.repeats))
     server = min(_server(args.messages) for _ in range(args.repeats))
-    print(f"checkout: {sidecar.__file__.rsplit('/sidecar/', 1)[0]}")
+    print(f"checkout: {rankgate.__file__.rsplit('/rankgate/', 1)[0]}")
     print(f"client receive: {client / args.messages * 1e9:7.0f} ns/message (batch {args.batch})")
     print(f"client request: {requests / (args.messages // 4) * 1e9:7.0f} ns/unary call")
     print(f"server send:    {server / args.messages * 1e9:7.0f} ns/message")

@@ -450,7 +450,7 @@ def mock_engine(tree: Path) -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen(
         [
-            PY, "-m", "mocker", "--port", str(port), "--dp-size", "2", "--speed", "0",
+            PY, "-m", "rankgate.mocker", "--port", str(port), "--dp-size", "2", "--speed", "0",
             "--tokenizer", str(TOKENIZER), "--model", MODEL,
             "--model-id", "Qwen/Qwen2-VL-2B-Instruct", "--max-model-len", "4096",
             "--kv-events-port", str(free_port_range(2)), "--kv-events-host", "127.0.0.1",
@@ -471,7 +471,7 @@ def gateway(tree: Path, engine: str, log: Path) -> Iterator[Gateway]:
     with log.open("ab") as out:
         process = subprocess.Popen(
             [
-                PY, "-m", "app.cli", "serve", "--engine", engine, "--port", str(port),
+                PY, "-m", "rankgate.app.cli", "serve", "--engine", engine, "--port", str(port),
                 "--tokenizer", str(TOKENIZER), "--log-level", "warning",
                 "--image-allow-network", "127.0.0.0/8",
             ],

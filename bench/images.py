@@ -23,8 +23,8 @@ import time
 import PIL
 from PIL import Image, ImageFilter
 
-from multimodal import ImageRef, MediaConfig, MediaPreparer
-from multimodal.decode import DecodeLimits, ImageDecoder, decode_image
+from rankgate.multimodal import ImageRef, MediaConfig, MediaPreparer
+from rankgate.multimodal.decode import DecodeLimits, ImageDecoder, decode_image
 
 SIDE = 1024
 

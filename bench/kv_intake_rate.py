@@ -26,9 +26,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from sidecar.routing.events import IntakeSettings
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import KvEventSource
+from rankgate.sidecar.routing.events import IntakeSettings
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import KvEventSource
 from tests.routing.conftest import engine_info
 from tests.support.ports import free_port
 

@@ -30,10 +30,10 @@ from typing import Any, cast
 import grpc
 import uvloop
 
-from mocker.config import GRPC_SERVERS, GrpcServer, MockEngineConfig
-from sidecar.endpoint import Endpoint
-from sidecar.inference_client import InferenceClient
-from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.mocker.config import GRPC_SERVERS, GrpcServer, MockEngineConfig
+from rankgate.sidecar.endpoint import Endpoint
+from rankgate.sidecar.inference_client import InferenceClient
+from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.support.ports import free_port
 
 TOKENS = 16
@@ -48,7 +48,7 @@ def _serve(config: MockEngineConfig, core: int, conn: Any, use_uvloop: bool) -> 
     """Child process: the engine, answering CPU-time probes from the parent between runs."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
-    from mocker.server import MockServer
+    from rankgate.mocker.server import MockServer
 
     async def main() -> None:
         started = time.perf_counter()

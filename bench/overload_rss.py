@@ -145,13 +145,13 @@ def wait_ready(url: str, timeout: float = 60) -> None:
 def one_run(args: argparse.Namespace, label: str, per_rank: int) -> None:
     engine_port, gw_port = free_port(), free_port()
     engine = subprocess.Popen(
-        [PY, "-m", "app.cli", "mock-engine", "--port", str(engine_port), "--dp-size", "2",
+        [PY, "-m", "rankgate.app.cli", "mock-engine", "--port", str(engine_port), "--dp-size", "2",
          "--model", "bench-llm", "--tokenizer", str(TOKENIZER), "--speed", str(args.speed),
          "--max-running-requests", str(args.max_running), "--log-level", "warning"],
         cwd=ROOT,
     )  # fmt: skip
     gateway = subprocess.Popen(
-        [PY, "-m", "app.cli", "serve", "--engine", f"127.0.0.1:{engine_port}",
+        [PY, "-m", "rankgate.app.cli", "serve", "--engine", f"127.0.0.1:{engine_port}",
          "--tokenizer", str(TOKENIZER), "--port", str(gw_port), "--log-level", "warning",
          "--admission-per-rank", str(per_rank), "--admission-queue", str(args.queue),
          "--admission-timeout", str(args.hold), "--stream-stall-timeout", "0"],

@@ -219,7 +219,7 @@ def start_mock_engine(
     mdir = model_dir(work, tokenizer)
     port, kv, replay = free_port(), free_port_range(dp_size), free_port_range(dp_size)
     argv = [
-        sys.executable, "-m", "mocker", "--port", str(port), "--dp-size", str(dp_size),
+        sys.executable, "-m", "rankgate.mocker", "--port", str(port), "--dp-size", str(dp_size),
         "--speed", str(speed), "--model", model, "--model-id", str(mdir),
         "--tokenizer", str(mdir), "--block-size", str(block_size),
         "--max-model-len", "8192", "--eos-probability", "0",
@@ -264,7 +264,7 @@ def start_rankgate(
 ) -> Gateway:
     port = free_port()
     argv = [
-        sys.executable, "-m", "app.cli", "serve", "--engine", engine.target,
+        sys.executable, "-m", "rankgate.app.cli", "serve", "--engine", engine.target,
         "--port", str(port), "--tokenizer", str(engine.model_dir), "--policy", policy,
         "--log-level", "warning", *extra,
     ]  # fmt: skip

@@ -67,7 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(peers.ROOT))
 
-from mocker.testing import running_mock_engine
+from rankgate.mocker.testing import running_mock_engine
 from tests.routing.workload import (
     VOCAB,
     GatewayClient,

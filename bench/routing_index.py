@@ -23,9 +23,9 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from sidecar.routing.hashing import prompt_keys
-from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
-from sidecar.types import KvEventSource
+from rankgate.sidecar.routing.hashing import prompt_keys
+from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.types import KvEventSource
 from tests.routing.conftest import engine_info, prepared
 from tests.routing.publisher import TestPublisher, stored
 

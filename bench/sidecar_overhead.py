@@ -22,13 +22,13 @@ from typing import Any
 
 import grpc
 
-from mocker.config import MockEngineConfig
-from sidecar.config import SidecarConfig
-from sidecar.convert import DeltaDecoder, RequestEncoder
-from sidecar.engine import Sidecar
-from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import OutputOptions, PreparedRequest, SamplingParams, StoppingParams
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.convert import DeltaDecoder, RequestEncoder
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import OutputOptions, PreparedRequest, SamplingParams, StoppingParams
 
 
 def _free_port() -> int:
@@ -106,7 +106,7 @@ def bench_conversion(rounds: int) -> None:
 def _serve(config: MockEngineConfig, core: int, ready: Any, stop: Any) -> None:
     if hasattr(os, "sched_setaffinity") and core >= 0:
         os.sched_setaffinity(0, {core})
-    from mocker.server import MockServer
+    from rankgate.mocker.server import MockServer
 
     async def main() -> None:
         server = MockServer(config)

@@ -354,7 +354,7 @@ def _command(port: int, workers: int, engine: str, args: argparse.Namespace) -> 
     command = [
         sys.executable,
         "-m",
-        "app.cli",
+        "rankgate.app.cli",
         "serve",
         "--workers",
         str(workers),
@@ -511,7 +511,7 @@ def main() -> None:
     engine = [
         sys.executable,
         "-m",
-        "app.cli",
+        "rankgate.app.cli",
         "mock-engine",
         "--port",
         str(engine_port),

@@ -2,6 +2,6 @@
 
 import sys
 
-from mocker.cli import main
+from rankgate.mocker.cli import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mocker.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from rankgate.mocker.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 _HASH_MASK = (1 << 63) - 1
 # Per block, as vLLM 0.32 publishes them: the LoRA name, then ``(image id, offset of the

@@ -10,8 +10,8 @@ from typing import Any
 
 import uvloop
 
-from mocker.config import BUNDLED_TOKENIZER, GRPC_SERVERS, ConfigError, MockEngineConfig
-from mocker.transfer import ROLES
+from rankgate.mocker.config import BUNDLED_TOKENIZER, GRPC_SERVERS, ConfigError, MockEngineConfig
+from rankgate.mocker.transfer import ROLES
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -150,7 +150,7 @@ def _tokenizer(given: str | None) -> str | None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from mocker.server import serve_forever
+    from rankgate.mocker.server import serve_forever
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -158,7 +158,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as exc:
-        logging.getLogger("mocker").error("invalid configuration: %s", exc)
+        logging.getLogger("rankgate.mocker").error("invalid configuration: %s", exc)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(serve_forever(config))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mocker.transfer import ROLES, Role
+from rankgate.mocker.transfer import ROLES, Role
 
 # The tiny tokenizer shipped inside the package: `rankgate mock-engine` uses it unless told
 # otherwise, so the gateway finds a tokenizer for the mock's model without extra flags.

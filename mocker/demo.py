@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mocker.config import BUNDLED_TOKENIZER, MockEngineConfig
-from mocker.threaded import serving_in_thread
-from mocker.transfer import Role
+from rankgate.mocker.config import BUNDLED_TOKENIZER, MockEngineConfig
+from rankgate.mocker.threaded import serving_in_thread
+from rankgate.mocker.transfer import Role
 
 MODEL = "rankgate-mock"
 DP_SIZE = 2

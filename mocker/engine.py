@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from mocker.cache import Block, ExtraKey, ExtraKeys, PrefixCache, block_hash
-from mocker.config import MockEngineConfig
-from mocker.events import KvEventPublisher
-from mocker.model import TokenModel
-from mocker.output import Emitted, Finish, Sequence
-from mocker.request import MockRequest
-from mocker.status import ENGINE_DEAD, RpcStatus, internal
-from mocker.transfer import READ_NOTICE, issue, read_notice
-from mocker.vocab import Vocabulary
+from rankgate.mocker.cache import Block, ExtraKey, ExtraKeys, PrefixCache, block_hash
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.events import KvEventPublisher
+from rankgate.mocker.model import TokenModel
+from rankgate.mocker.output import Emitted, Finish, Sequence
+from rankgate.mocker.request import MockRequest
+from rankgate.mocker.status import ENGINE_DEAD, RpcStatus, internal
+from rankgate.mocker.transfer import READ_NOTICE, issue, read_notice
+from rankgate.mocker.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mocker.config import EventFormat
+from rankgate.mocker.config import EventFormat
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-from mocker.engine import EngineRequest
-from mocker.group import DpGroup
-from mocker.request import MockRequest
-from mocker.status import resource_exhausted
+from rankgate.mocker.engine import EngineRequest
+from rankgate.mocker.group import DpGroup
+from rankgate.mocker.request import MockRequest
+from rankgate.mocker.status import resource_exhausted
 
 SERVICES = ("", "vllm.Inference", "vllm.Control")
 SERVING = health_pb2.HealthCheckResponse.SERVING

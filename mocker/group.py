@@ -7,9 +7,9 @@ cache, which is exactly what KV-aware routers are measured against.
 
 from __future__ import annotations
 
-from mocker.engine import EngineRequest, RankEngine
-from mocker.request import MockRequest
-from mocker.status import invalid_argument
+from rankgate.mocker.engine import EngineRequest, RankEngine
+from rankgate.mocker.request import MockRequest
+from rankgate.mocker.status import invalid_argument
 
 
 class DpGroup:

@@ -40,9 +40,9 @@ from urllib.parse import quote
 
 import grpc
 
-from sidecar.h2.connection import H2Connection, H2Stream
-from sidecar.h2.errors import H2ConnectionError, H2StreamError
-from sidecar.h2.frames import (
+from rankgate.sidecar.h2.connection import H2Connection, H2Stream
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
+from rankgate.sidecar.h2.frames import (
     DATA,
     END_HEADERS,
     HEADERS,
@@ -51,7 +51,7 @@ from sidecar.h2.frames import (
     ErrorCode,
     frame_head,
 )
-from sidecar.h2.headers import hpack_int, hpack_str, literal
+from rankgate.sidecar.h2.headers import hpack_int, hpack_str, literal
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import httpx
 from PIL import Image, UnidentifiedImageError
 
-from mocker.status import invalid_argument
-from sidecar.proto.vllm import inference_pb2
+from rankgate.mocker.status import invalid_argument
+from rankgate.sidecar.proto.vllm import inference_pb2
 
 
 @dataclass(frozen=True, slots=True)

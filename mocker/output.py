@@ -15,8 +15,8 @@ from array import array
 from dataclasses import dataclass
 from enum import IntEnum
 
-from mocker.model import Processing, TokenModel
-from mocker.vocab import TextStream, Vocabulary
+from rankgate.mocker.model import Processing, TokenModel
+from rankgate.mocker.vocab import TextStream, Vocabulary
 
 _NOTHING: frozenset[int] = frozenset()
 _BIG_ENDIAN = sys.byteorder == "big"

@@ -11,15 +11,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mocker import structured
-from mocker.config import MockEngineConfig
-from mocker.media import MediaResolver, MediaSpan
-from mocker.model import Processing
-from mocker.output import LogprobSpec, SamplingSpec, context_key, sample_seed
-from mocker.status import failed_precondition, invalid_argument, not_found
-from mocker.transfer import check as check_transfer
-from mocker.vocab import Vocabulary
-from sidecar.proto.vllm import inference_pb2
+from rankgate.mocker import structured
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.media import MediaResolver, MediaSpan
+from rankgate.mocker.model import Processing
+from rankgate.mocker.output import LogprobSpec, SamplingSpec, context_key, sample_seed
+from rankgate.mocker.status import failed_precondition, invalid_argument, not_found
+from rankgate.mocker.transfer import check as check_transfer
+from rankgate.mocker.vocab import Vocabulary
+from rankgate.sidecar.proto.vllm import inference_pb2
 
 RANK_METADATA_KEY = "x-data-parallel-rank"
 _RANK_ERROR = "x-data-parallel-rank metadata must be an unsigned 32-bit integer"

@@ -19,19 +19,24 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from mocker.config import MockEngineConfig
-from mocker.engine import EngineRequest, RankEngine
-from mocker.events import KvEventPublisher
-from mocker.faults import Faults
-from mocker.group import DpGroup
-from mocker.h2server import H2Server
-from mocker.media import ImagePolicy, MediaResolver
-from mocker.model import TokenModel
-from mocker.output import Emitted, Finish, prompt_logprobs
-from mocker.request import MockRequest, RequestValidator, parse_rank
-from mocker.status import RpcStatus
-from mocker.vocab import Vocabulary, load_vocabulary
-from sidecar.proto.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.engine import EngineRequest, RankEngine
+from rankgate.mocker.events import KvEventPublisher
+from rankgate.mocker.faults import Faults
+from rankgate.mocker.group import DpGroup
+from rankgate.mocker.h2server import H2Server
+from rankgate.mocker.media import ImagePolicy, MediaResolver
+from rankgate.mocker.model import TokenModel
+from rankgate.mocker.output import Emitted, Finish, prompt_logprobs
+from rankgate.mocker.request import MockRequest, RequestValidator, parse_rank
+from rankgate.mocker.status import RpcStatus
+from rankgate.mocker.vocab import Vocabulary, load_vocabulary
+from rankgate.sidecar.proto.vllm import (
+    control_pb2,
+    control_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from mocker.status import RpcStatus, invalid_argument
+from rankgate.mocker.status import RpcStatus, invalid_argument
 
 # The stdlib's regex parser (re._parser since 3.11); typeshed does not describe it.
 sre_parse: Any = importlib.import_module("re._parser")

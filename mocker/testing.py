@@ -15,11 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mocker.config import MockEngineConfig
-from mocker.engine import RankEngine
-from mocker.faults import Faults
-from mocker.server import MockServer
-from mocker.threaded import serving_in_thread
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.engine import RankEngine
+from rankgate.mocker.faults import Faults
+from rankgate.mocker.server import MockServer
+from rankgate.mocker.threaded import serving_in_thread
 
 T = TypeVar("T")
 

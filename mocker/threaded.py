@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import uvloop
 
-from mocker.config import MockEngineConfig
-from mocker.server import MockServer
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.server import MockServer
 
 START_TIMEOUT_S = 10.0
 

@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 import orjson
 
-from mocker.media import MediaSpan
-from mocker.status import internal, invalid_argument
+from rankgate.mocker.media import MediaSpan
+from rankgate.mocker.status import internal, invalid_argument
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")

@@ -1,7 +1,7 @@
 """Images from OpenAI content parts to vLLM ``MediaItem`` inputs with content-hash identities."""
 
-from multimodal.errors import ImageError
-from multimodal.media import MediaPreparer
-from multimodal.types import ImageRef, MediaConfig
+from rankgate.multimodal.errors import ImageError, ImagesOverBudget
+from rankgate.multimodal.media import MediaPreparer
+from rankgate.multimodal.types import ImageRef, MediaConfig
 
-__all__ = ["ImageError", "ImageRef", "MediaConfig", "MediaPreparer"]
+__all__ = ["ImageError", "ImageRef", "ImagesOverBudget", "MediaConfig", "MediaPreparer"]

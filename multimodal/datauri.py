@@ -5,7 +5,7 @@ from __future__ import annotations
 import binascii
 from urllib.parse import unquote_to_bytes
 
-from multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import ImageRefused
 
 
 def parse_data_uri(uri: str, max_bytes: int) -> tuple[str, bytes]:

@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from multimodal.datauri import parse_data_uri
-from multimodal.errors import ImageRefused
-from multimodal.identity import canonical_rgb, content_identity
-from multimodal.lru import BoundedLRU
+from rankgate.multimodal.datauri import parse_data_uri
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.identity import canonical_rgb, content_identity
+from rankgate.multimodal.lru import BoundedLRU
 
 _EXIF_ORIENTATION = 0x0112
 # Magic numbers of formats Pillow may know, only to name a refused format in the message.

@@ -14,11 +14,11 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from multimodal.errors import ImageRefused
-from multimodal.lru import BoundedLRU
-from multimodal.types import MediaConfig
-from sidecar.routing.hashing import image_runs
-from sidecar.types import MediaInput
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.lru import BoundedLRU
+from rankgate.multimodal.types import MediaConfig
+from rankgate.sidecar.routing.hashing import image_runs
+from rankgate.sidecar.types import MediaInput
 
 _QWEN_MAX_ASPECT = 200
 

@@ -13,11 +13,11 @@ import asyncio
 
 import httpx
 
-from multimodal.addresses import AddressPolicy
-from multimodal.errors import ImageRefused
-from multimodal.http_cache import FetchCache
-from multimodal.transport import GuardedTransport
-from multimodal.types import MediaConfig
+from rankgate.multimodal.addresses import AddressPolicy
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.http_cache import FetchCache
+from rankgate.multimodal.transport import GuardedTransport
+from rankgate.multimodal.types import MediaConfig
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _SHOWN_URL_CHARS = 120

@@ -15,7 +15,7 @@ from email.utils import parsedate_to_datetime
 
 import msgspec
 
-from multimodal.lru import BoundedLRU
+from rankgate.multimodal.lru import BoundedLRU
 
 _HEURISTIC_FRACTION = 0.1
 _HEURISTIC_CAP_S = 86400.0

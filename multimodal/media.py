@@ -6,14 +6,14 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from multimodal.addresses import AddressPolicy, Resolver
-from multimodal.decode import DecodedImage, DecodeLimits, ImageDecoder
-from multimodal.errors import ImageError, ImageRefused, ImagesOverBudget
-from multimodal.expansion import ImageTokenFormula, LearnedTokenCounts, formula_for
-from multimodal.fetch import ImageFetcher, parse_url
-from multimodal.identity import url_identity
-from multimodal.types import ImageRef, MediaConfig
-from sidecar.types import EngineInfo, MediaInput
+from rankgate.multimodal.addresses import AddressPolicy, Resolver
+from rankgate.multimodal.decode import DecodedImage, DecodeLimits, ImageDecoder
+from rankgate.multimodal.errors import ImageError, ImageRefused, ImagesOverBudget
+from rankgate.multimodal.expansion import ImageTokenFormula, LearnedTokenCounts, formula_for
+from rankgate.multimodal.fetch import ImageFetcher, parse_url
+from rankgate.multimodal.identity import url_identity
+from rankgate.multimodal.types import ImageRef, MediaConfig
+from rankgate.sidecar.types import EngineInfo, MediaInput
 
 _DETAILS = frozenset({"auto", "low", "high"})
 _T = TypeVar("_T")

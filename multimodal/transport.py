@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpcore
 import httpx
 
-from multimodal.addresses import AddressPolicy, GuardedBackend
+from rankgate.multimodal.addresses import AddressPolicy, GuardedBackend
 
 # Most specific first: the first match is the error raised.
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (

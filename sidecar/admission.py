@@ -35,8 +35,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-from sidecar.errors import EngineUnavailable, GatewayOverloaded
-from sidecar.types import EngineInfo, RequestTrace
+from rankgate.sidecar.errors import EngineUnavailable, GatewayOverloaded
+from rankgate.sidecar.types import EngineInfo, RequestTrace
 
 # The key of the one pool the ``engine`` policy admits against (vLLM chooses the rank).
 GROUP = -1

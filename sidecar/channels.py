@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from sidecar.endpoint import Endpoint
-from sidecar.inference_client import InferenceClient, tls_context
-from sidecar.proto.vllm import control_pb2_grpc, kv_transfer_pb2_grpc
+from rankgate.sidecar.endpoint import Endpoint
+from rankgate.sidecar.inference_client import InferenceClient, tls_context
+from rankgate.sidecar.proto.vllm import control_pb2_grpc, kv_transfer_pb2_grpc
 
 # Images travel inline as raw bytes; 64 MiB leaves room for several large ones per request.
 MAX_MESSAGE_BYTES = 64 << 20

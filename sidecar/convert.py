@@ -20,10 +20,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sidecar.errors import BadEngineResponse, EngineFailure, InvalidRequest
-from sidecar.proto.vllm import inference_pb2 as pb
-from sidecar.routing.hashing import tagged_salt
-from sidecar.types import (
+from rankgate.sidecar.errors import BadEngineResponse, EngineFailure, InvalidRequest
+from rankgate.sidecar.proto.vllm import inference_pb2 as pb
+from rankgate.sidecar.routing.hashing import tagged_salt
+from rankgate.sidecar.types import (
     Delta,
     FinishReason,
     MediaInput,

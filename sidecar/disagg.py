@@ -24,18 +24,18 @@ from typing import Any
 
 import msgspec
 
-from sidecar.admission import Admission
-from sidecar.engine import Sidecar
-from sidecar.errors import (
+from rankgate.sidecar.admission import Admission
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.errors import (
     BadEngineResponse,
     DiscoveryError,
     EngineUnavailable,
     InvalidRequest,
     SidecarError,
 )
-from sidecar.routing.hashing import image_runs
-from sidecar.routing.policy import RoutingConfig
-from sidecar.types import (
+from rankgate.sidecar.routing.hashing import image_runs
+from rankgate.sidecar.routing.policy import RoutingConfig
+from rankgate.sidecar.types import (
     Delta,
     EngineInfo,
     MediaInput,

@@ -17,11 +17,11 @@ from typing import Any
 import grpc
 import msgspec
 
-from sidecar.errors import DiscoveryError, EngineUnavailable
-from sidecar.kv_sources import validate_kv_sources
-from sidecar.proto.vllm import control_pb2
-from sidecar.status import error_from_rpc
-from sidecar.types import EngineInfo, KvEventSource, RankCapacity
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
+from rankgate.sidecar.kv_sources import validate_kv_sources
+from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.sidecar.status import error_from_rpc
+from rankgate.sidecar.types import EngineInfo, KvEventSource, RankCapacity
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
-from sidecar.admission import Admission
-from sidecar.config import CONTROL_RPC_TIMEOUT_S, SidecarConfig
-from sidecar.convert import is_decode_handoff
-from sidecar.inference_client import GenerateResponse
-from sidecar.lifecycle import Lifecycle
-from sidecar.loras import LoraNames
-from sidecar.proto.vllm import control_pb2
-from sidecar.routing.base import Router
-from sidecar.status import error_from_rpc
-from sidecar.streams import RequestStreams, StreamBook
-from sidecar.types import Delta, EngineInfo, PreparedRequest
+from rankgate.sidecar.admission import Admission
+from rankgate.sidecar.config import CONTROL_RPC_TIMEOUT_S, SidecarConfig
+from rankgate.sidecar.convert import is_decode_handoff
+from rankgate.sidecar.inference_client import GenerateResponse
+from rankgate.sidecar.lifecycle import Lifecycle
+from rankgate.sidecar.loras import LoraNames
+from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.sidecar.routing.base import Router
+from rankgate.sidecar.status import error_from_rpc
+from rankgate.sidecar.streams import RequestStreams, StreamBook
+from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest
 
 
 class Sidecar:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from sidecar.errors import DiscoveryError, EngineUnavailable
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 

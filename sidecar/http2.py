@@ -28,18 +28,18 @@ from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar, cast
 from urllib.parse import unquote
 
-from sidecar.errors import SidecarError
-from sidecar.h2.connection import MAX_HEADER_BLOCK, H2Connection, H2Stream
-from sidecar.h2.errors import H2ConnectionError, H2StreamError
-from sidecar.h2.frames import (
+from rankgate.sidecar.errors import SidecarError
+from rankgate.sidecar.h2.connection import MAX_HEADER_BLOCK, H2Connection, H2Stream
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
+from rankgate.sidecar.h2.frames import (
     MAX_STREAM_ID,
     SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE,
     ErrorCode,
 )
-from sidecar.h2.headers import hpack_int, hpack_str
-from sidecar.status import (
+from rankgate.sidecar.h2.headers import hpack_int, hpack_str
+from rankgate.sidecar.status import (
     Status,
     error_from_h2,
     error_from_http_status,

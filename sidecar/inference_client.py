@@ -17,12 +17,12 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from sidecar.convert import merge_responses, wants_logprobs
-from sidecar.endpoint import Endpoint
-from sidecar.errors import SidecarError
-from sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers
-from sidecar.proto.vllm import inference_pb2
-from sidecar.status import Status, error_from_status
+from rankgate.sidecar.convert import merge_responses, wants_logprobs
+from rankgate.sidecar.endpoint import Endpoint
+from rankgate.sidecar.errors import SidecarError
+from rankgate.sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers
+from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.sidecar.status import Status, error_from_status
 
 GENERATE = "/vllm.Inference/Generate"
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"

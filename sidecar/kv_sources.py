@@ -17,8 +17,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sidecar.errors import DiscoveryError
-from sidecar.types import KvEventSource
+from rankgate.sidecar.errors import DiscoveryError
+from rankgate.sidecar.types import KvEventSource
 
 log = logging.getLogger(__name__)
 

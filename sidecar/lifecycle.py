@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sidecar.admission import Admission
-from sidecar.channels import ChannelPool
-from sidecar.config import CONTROL_RPC_TIMEOUT_S, SidecarConfig
-from sidecar.convert import RequestEncoder
-from sidecar.discovery import Discovered, discover
-from sidecar.endpoint import parse_endpoint
-from sidecar.errors import DiscoveryError, EngineUnavailable, InvalidRequest
-from sidecar.health import HealthWatch, wait_for_serving
-from sidecar.inference_client import GenerateRequest
-from sidecar.routing.base import Router
-from sidecar.types import PreparedRequest
+from rankgate.sidecar.admission import Admission
+from rankgate.sidecar.channels import ChannelPool
+from rankgate.sidecar.config import CONTROL_RPC_TIMEOUT_S, SidecarConfig
+from rankgate.sidecar.convert import RequestEncoder
+from rankgate.sidecar.discovery import Discovered, discover
+from rankgate.sidecar.endpoint import parse_endpoint
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable, InvalidRequest
+from rankgate.sidecar.health import HealthWatch, wait_for_serving
+from rankgate.sidecar.inference_client import GenerateRequest
+from rankgate.sidecar.routing.base import Router
+from rankgate.sidecar.types import PreparedRequest
 
 log = logging.getLogger(__name__)
 

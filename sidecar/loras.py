@@ -10,11 +10,11 @@ import asyncio
 
 import grpc
 
-from sidecar.config import CONTROL_RPC_TIMEOUT_S
-from sidecar.errors import FailedPrecondition
-from sidecar.lifecycle import Lifecycle
-from sidecar.proto.vllm import control_pb2
-from sidecar.status import error_from_rpc
+from rankgate.sidecar.config import CONTROL_RPC_TIMEOUT_S
+from rankgate.sidecar.errors import FailedPrecondition
+from rankgate.sidecar.lifecycle import Lifecycle
+from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.sidecar.status import error_from_rpc
 
 LORA_CACHE_TTL_S = 5.0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from sidecar.errors import (
+from rankgate.sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
@@ -25,8 +25,8 @@ from sidecar.errors import (
     NotFound,
     SidecarError,
 )
-from sidecar.h2.errors import H2Error
-from sidecar.h2.frames import ErrorCode
+from rankgate.sidecar.h2.errors import H2Error
+from rankgate.sidecar.h2.frames import ErrorCode
 
 if TYPE_CHECKING:
     import grpc

@@ -23,15 +23,15 @@ from typing import Any
 
 import msgspec
 
-from sidecar.admission import Admission, Grant
-from sidecar.config import SidecarConfig
-from sidecar.convert import DeltaDecoder
-from sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable, SidecarError
-from sidecar.http2 import Call
-from sidecar.inference_client import GenerateRequest, GenerateResponse
-from sidecar.lifecycle import Lifecycle, rank_metadata
-from sidecar.routing.base import Router, RouteTicket
-from sidecar.types import Delta, EngineCallTrace, PreparedRequest
+from rankgate.sidecar.admission import Admission, Grant
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.convert import DeltaDecoder
+from rankgate.sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable, SidecarError
+from rankgate.sidecar.http2 import Call
+from rankgate.sidecar.inference_client import GenerateRequest, GenerateResponse
+from rankgate.sidecar.lifecycle import Lifecycle, rank_metadata
+from rankgate.sidecar.routing.base import Router, RouteTicket
+from rankgate.sidecar.types import Delta, EngineCallTrace, PreparedRequest
 
 log = logging.getLogger(__name__)
 

@@ -156,8 +156,8 @@ def real_pd(real_engines: RealEngines) -> RealVllmPair:
 
 @pytest.fixture(scope="session")
 def mock_vllm() -> Iterator[EngineUnderTest]:
-    from mocker.config import MockEngineConfig
-    from mocker.testing import running_mock_engine
+    from rankgate.mocker.config import MockEngineConfig
+    from rankgate.mocker.testing import running_mock_engine
 
     config = MockEngineConfig(
         host="127.0.0.1",

@@ -1,5 +1,6 @@
-"""Which packages may import which: data flows one way, no module needs one that needs it, and
-the product never depends on the mock's test handle.
+"""Which packages may import which: data flows one way, no module needs one that needs it, the
+product never depends on the mock's test handle, and nothing imports a part by a bare name that
+the installed wheel does not have.
 
 Imports are read from the source (lazy ones inside functions included), so a boundary holds
 whether or not the import ever runs in a test.
@@ -15,13 +16,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("app", "sidecar", "multimodal", "mocker")
+NAMESPACE = "rankgate"
 # Only tests and benches start the mock through its test handle.
-TEST_ONLY = ("mocker.testing",)
+TEST_ONLY = ("rankgate.mocker.testing",)
 # Lower layers never reach up.
 NEVER = {
-    "sidecar": ("app", "mocker"),
-    "multimodal": ("app", "sidecar.engine", "mocker"),
-    "mocker": ("app",),
+    "sidecar": ("rankgate.app", "rankgate.mocker"),
+    "multimodal": ("rankgate.app", "rankgate.sidecar.engine", "rankgate.mocker"),
+    "mocker": ("rankgate.app",),
 }
 
 
@@ -52,12 +54,13 @@ def product_modules() -> list[Path]:
 def test_imports_are_read_from_source(tmp_path: Path) -> None:
     module = tmp_path / "module.py"
     module.write_text(
-        "import os.path\nfrom mocker import testing\n"
-        "def later():\n    from mocker.testing import running_mock_engine\n"
+        "import os.path\nfrom rankgate.mocker import testing\n"
+        "def later():\n    from rankgate.mocker.testing import running_mock_engine\n"
     )
     names = imports_of(module)
-    assert {"os.path", "mocker.testing", "mocker.testing.running_mock_engine"} <= names
-    assert any(_reaches(name, "mocker.testing") for name in names)
+    expected = {"rankgate.mocker.testing", "rankgate.mocker.testing.running_mock_engine"}
+    assert {"os.path", *expected} <= names
+    assert any(_reaches(name, "rankgate.mocker.testing") for name in names)
 
 
 @pytest.mark.parametrize("path", product_modules(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -71,7 +74,7 @@ def test_product_modules_keep_their_layer(path: Path) -> None:
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = [NAMESPACE, *path.relative_to(ROOT).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -142,3 +145,16 @@ def test_cycles_are_found() -> None:
 def test_no_import_cycles() -> None:
     """Type-only and lazy imports count: each hides a circle a reader still has to follow."""
     assert cycles(import_graph()) == []
+
+
+def python_files() -> list[Path]:
+    tracked = [ROOT / top for top in (*PRODUCT, "tests", "bench", "scripts")]
+    return sorted(path for top in tracked for path in top.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_parts_are_imported_through_the_namespace(path: Path) -> None:
+    """``app`` alone imports here (the checkout is on the path) but not from the wheel, and a
+    module imported under both names would exist twice, with two copies of its state."""
+    bare = sorted(name for name in imports_of(path) if name.partition(".")[0] in PRODUCT)
+    assert not bare, f"{path.relative_to(ROOT)} imports {bare}; use rankgate.{bare[0]}"

@@ -30,7 +30,7 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
 
 def test_wire_numbers_match_vllm() -> None:
     """Spot-check the field numbers everything else relies on (SPEC.md section 2)."""
-    from sidecar.proto.vllm import control_pb2, inference_pb2
+    from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 
     def numbers(message: type) -> dict[str, int]:
         return {f.name: f.number for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]

@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import orjson
 
-from app.errors import ApiError, invalid, unsupported
-from app.limits import InputLimits, check_engine_json, check_fanout, check_json_text
-from app.prepare.media import MediaHook
-from app.prepare.params import (
+from rankgate.app.errors import ApiError, invalid, unsupported
+from rankgate.app.limits import InputLimits, check_engine_json, check_fanout, check_json_text
+from rankgate.app.prepare.media import MediaHook
+from rankgate.app.prepare.params import (
     check_context,
     prompt_logprobs_of,
     refuse_unfitting_text,
@@ -21,12 +21,12 @@ from app.prepare.params import (
     stopping_params,
     structured_output,
 )
-from app.prepare.prompt_cache import PromptCache
-from app.prepare.rank import resolve_rank
-from app.prepare.template import ChatTemplate, ContentFormat, TemplateRenderError
-from app.prepare.tokenizer import TextTokenizer
-from app.respond.parsers import OutputPlan, Tool, Vocabulary, plan_for
-from app.schemas.requests import (
+from rankgate.app.prepare.prompt_cache import PromptCache
+from rankgate.app.prepare.rank import resolve_rank
+from rankgate.app.prepare.template import ChatTemplate, ContentFormat, TemplateRenderError
+from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.respond.parsers import OutputPlan, Tool, Vocabulary, plan_for
+from rankgate.app.schemas.requests import (
     AssistantMessage,
     ChatCompletionRequest,
     DeveloperMessage,
@@ -39,9 +39,8 @@ from app.schemas.requests import (
     ToolMessage,
     UserMessage,
 )
-from multimodal.errors import ImageError, ImagesOverBudget
-from multimodal.types import ImageRef
-from sidecar.types import (
+from rankgate.multimodal import ImageError, ImageRef, ImagesOverBudget
+from rankgate.sidecar import (
     Delta,
     MediaInput,
     OutputOptions,

@@ -6,9 +6,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import cast
 
-from app.errors import invalid, unsupported
-from app.limits import InputLimits, check_engine_json, check_fanout
-from app.prepare.params import (
+from rankgate.app.errors import invalid, unsupported
+from rankgate.app.limits import InputLimits, check_engine_json, check_fanout
+from rankgate.app.prepare.params import (
     check_token_ids,
     prompt_logprobs_of,
     refuse_unfitting_text,
@@ -17,10 +17,10 @@ from app.prepare.params import (
     stopping_params,
     structured_output,
 )
-from app.prepare.rank import resolve_rank
-from app.prepare.tokenizer import TextTokenizer
-from app.schemas.requests import CompletionRequest
-from sidecar.types import OutputOptions, PreparedRequest, RequestTrace
+from rankgate.app.prepare.rank import resolve_rank
+from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.schemas.requests import CompletionRequest
+from rankgate.sidecar import OutputOptions, PreparedRequest, RequestTrace
 
 MAX_PROMPTS = 256
 # Requests with bodies larger than this (bytes) are checked and tokenized off the event loop.

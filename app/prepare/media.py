@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from multimodal.types import ImageRef
-from sidecar.types import EngineInfo, MediaInput
+from rankgate.multimodal import ImageRef
+from rankgate.sidecar import EngineInfo, MediaInput
 
 
 class MediaHook(Protocol):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from app.errors import model_not_found
+from rankgate.app.errors import model_not_found
 
 LoraLister = Callable[[], Awaitable[Sequence[str]]]
 

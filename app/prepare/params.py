@@ -16,14 +16,14 @@ from typing import Any
 
 import orjson
 
-from app.errors import ApiError, invalid, unsupported
-from app.limits import InputLimits, check_json_text
-from app.schemas.requests import (
+from rankgate.app.errors import ApiError, invalid, unsupported
+from rankgate.app.limits import InputLimits, check_json_text
+from rankgate.app.schemas.requests import (
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
     SamplingFields,
 )
-from sidecar.types import SamplingParams, StoppingParams, StructuredOutput
+from rankgate.sidecar import SamplingParams, StoppingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
 

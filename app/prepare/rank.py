@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from app.errors import invalid
+from rankgate.app.errors import invalid
 
 RANK_FIELD = "data_parallel_rank"
 RANK_HEADER = "x-data-parallel-rank"

@@ -17,8 +17,8 @@ from typing import Any, cast
 import msgspec
 import orjson
 
-from app.errors import ApiError, from_decode_error, invalid, unsupported
-from app.schemas.requests import (
+from rankgate.app.errors import ApiError, from_decode_error, invalid, unsupported
+from rankgate.app.schemas.requests import (
     AssistantMessage,
     ChatCompletionRequest,
     DeveloperMessage,
@@ -39,7 +39,7 @@ from app.schemas.requests import (
     ToolMessage,
     UserMessage,
 )
-from app.schemas.responses_api import (
+from rankgate.app.schemas.responses_api import (
     INPUT_ITEM_TYPES,
     FormatJsonObject,
     FormatJsonSchema,
@@ -55,7 +55,7 @@ from app.schemas.responses_api import (
     ResponsesRequest,
     ToolChoiceFunction,
 )
-from app.unknown_fields import convert_ignoring_unknown, unknown_field
+from rankgate.app.unknown_fields import convert_ignoring_unknown, unknown_field
 
 _REFUSED = (
     ("background", "is not supported: responses run within the request (send false or omit it)"),

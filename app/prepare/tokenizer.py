@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer
 
-from app.prepare.segments import MAX_PROBED_TOKENS, SegmentEncoder, probes, segmentable
-from app.prepare.text_bound import chars_per_token_bound
+from rankgate.app.prepare.segments import MAX_PROBED_TOKENS, SegmentEncoder, probes, segmentable
+from rankgate.app.prepare.text_bound import chars_per_token_bound
 
 _SPECIAL_NAMES = (
     "bos_token",

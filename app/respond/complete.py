@@ -7,11 +7,11 @@ from typing import Any
 
 import msgspec
 
-from app.respond.context import ResponseContext
-from app.respond.logprobs import LogprobFormatter
-from app.respond.parsers import ChoiceParser, Parsed
-from app.respond.usage import UsageCounter
-from app.schemas.responses import (
+from rankgate.app.respond.context import ResponseContext
+from rankgate.app.respond.logprobs import LogprobFormatter
+from rankgate.app.respond.parsers import ChoiceParser, Parsed
+from rankgate.app.respond.usage import UsageCounter
+from rankgate.app.schemas.responses import (
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
@@ -24,7 +24,7 @@ from app.schemas.responses import (
     PromptLogprobs,
     ToolCallOut,
 )
-from sidecar.types import Delta, TokenLogprob
+from rankgate.sidecar import Delta, TokenLogprob
 
 _ENCODER = msgspec.json.Encoder()
 

@@ -6,8 +6,8 @@ from typing import Literal
 
 import msgspec
 
-from app.respond.logprobs import LogprobFormatter
-from app.respond.parsers import OutputPlan
+from rankgate.app.respond.logprobs import LogprobFormatter
+from rankgate.app.respond.parsers import OutputPlan
 
 NO_PARSING = OutputPlan()
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.prepare.tokenizer import TextTokenizer
-from app.schemas.responses import ChatTokenLogprob, PromptLogprob, PromptLogprobs, TopLogprob
-from sidecar.types import TokenLogprob
+from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.schemas.responses import (
+    ChatTokenLogprob,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
+from rankgate.sidecar import TokenLogprob
 
 # JSON has no -inf; vLLM clamps to this value too.
 _FLOOR = -9999.0

@@ -11,8 +11,7 @@ import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
-from sidecar.errors import EngineFailure
-from sidecar.types import Delta
+from rankgate.sidecar import Delta, EngineFailure
 
 
 class Primed:

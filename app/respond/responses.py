@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 import orjson
 
-from app.errors import as_api_error
-from app.respond.parsers import CallDelta, ChoiceParser, OutputPlan, Parsed
-from app.schemas.requests import AssistantMessage, FunctionCall, Message, ToolCall
-from app.schemas.responses_api import (
+from rankgate.app.errors import as_api_error
+from rankgate.app.respond.parsers import CallDelta, ChoiceParser, OutputPlan, Parsed
+from rankgate.app.schemas.requests import AssistantMessage, FunctionCall, Message, ToolCall
+from rankgate.app.schemas.responses_api import (
     FunctionCallOut,
     IncompleteDetails,
     InputTokensDetails,
@@ -40,7 +40,7 @@ from app.schemas.responses_api import (
     ResponseUsage,
     TextConfig,
 )
-from sidecar.types import Delta
+from rankgate.sidecar import Delta
 
 _ENCODER = msgspec.json.Encoder()
 _SEQ = b',"sequence_number":'

@@ -18,10 +18,10 @@ from typing import Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.errors import as_api_error
-from app.observe import Tracked
-from app.respond.merge import close_stream, unprimed
-from sidecar.types import Delta
+from rankgate.app.errors import as_api_error
+from rankgate.app.observe import Tracked
+from rankgate.app.respond.merge import close_stream, unprimed
+from rankgate.sidecar import Delta
 
 DONE = b"data: [DONE]\n\n"
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -12,18 +12,18 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 import msgspec
 import orjson
 
-from app.respond.context import ResponseContext
-from app.respond.parsers import ChoiceParser, Parsed
-from app.respond.sse import DONE, DeltaEvents, Guarded
-from app.respond.usage import UsageCounter
-from app.schemas.responses import (
+from rankgate.app.respond.context import ResponseContext
+from rankgate.app.respond.parsers import ChoiceParser, Parsed
+from rankgate.app.respond.sse import DONE, DeltaEvents, Guarded
+from rankgate.app.respond.usage import UsageCounter
+from rankgate.app.schemas.responses import (
     ChatDelta,
     CompletionLogprobs,
     ToolCallDelta,
     ToolCallDeltaFunction,
     Usage,
 )
-from sidecar.types import Delta
+from rankgate.sidecar import Delta
 
 _ENCODER = msgspec.json.Encoder()
 _FINISH = {None: b"null", "stop": b'"stop"', "length": b'"length"', "abort": b'"abort"'}

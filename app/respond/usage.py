@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.respond.context import ResponseContext
-from app.schemas.responses import Usage
-from sidecar.types import Delta
+from rankgate.app.respond.context import ResponseContext
+from rankgate.app.schemas.responses import Usage
+from rankgate.sidecar import Delta
 
 
 class UsageCounter:

@@ -5,15 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.observe import RequestRecord
-from app.respond.complete import chat_completion
-from app.respond.stream import chat_events
-from app.routes.common import decode_body, gateway_of
-from app.routes.generation import answer, prepare, response_context
-from app.routes.observed import observed
-from app.schemas.openapi import operation
-from app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
-from sidecar.types import Delta
+from rankgate.app.observe import RequestRecord
+from rankgate.app.respond.complete import chat_completion
+from rankgate.app.respond.stream import chat_events
+from rankgate.app.routes.common import decode_body, gateway_of
+from rankgate.app.routes.generation import answer, prepare, response_context
+from rankgate.app.routes.observed import observed
+from rankgate.app.schemas.openapi import operation
+from rankgate.app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
+from rankgate.sidecar import Delta
 
 router = APIRouter()
 

@@ -9,17 +9,16 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
-from app.errors import ApiError, from_decode_error, invalid
-from app.gateway import Gateway
-from app.headers import request_header
-from app.limits import InputLimits, check_content_type, check_shape, read_body
-from app.metrics import GatewayMetrics
-from app.prepare.chat import ChatPreparer, PreparedChat
-from app.prepare.rank import RANK_HEADER, rank_from_header
-from app.respond.merge import Primed, close_stream, prime
-from app.unknown_fields import decode_ignoring_unknown, unknown_field
-from sidecar.errors import EngineUnavailable
-from sidecar.types import Delta
+from rankgate.app.errors import ApiError, from_decode_error, invalid
+from rankgate.app.gateway import Gateway
+from rankgate.app.headers import request_header
+from rankgate.app.limits import InputLimits, check_content_type, check_shape, read_body
+from rankgate.app.metrics import GatewayMetrics
+from rankgate.app.prepare.chat import ChatPreparer, PreparedChat
+from rankgate.app.prepare.rank import RANK_HEADER, rank_from_header
+from rankgate.app.respond.merge import Primed, close_stream, prime
+from rankgate.app.unknown_fields import decode_ignoring_unknown, unknown_field
+from rankgate.sidecar import Delta, EngineUnavailable
 
 _BODY_SIZE = "rankgate.body_size"
 _RANK_HEADER = RANK_HEADER.encode()

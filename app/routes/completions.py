@@ -7,16 +7,16 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.observe import RequestRecord
-from app.respond.complete import completion
-from app.respond.merge import merged
-from app.respond.stream import completion_events
-from app.routes.common import decode_body, gateway_of
-from app.routes.generation import answer, prepare, response_context
-from app.routes.observed import observed
-from app.schemas.openapi import operation
-from app.schemas.requests import COMPLETION_DECODER, CompletionRequest
-from sidecar.types import Delta
+from rankgate.app.observe import RequestRecord
+from rankgate.app.respond.complete import completion
+from rankgate.app.respond.merge import merged
+from rankgate.app.respond.stream import completion_events
+from rankgate.app.routes.common import decode_body, gateway_of
+from rankgate.app.routes.generation import answer, prepare, response_context
+from rankgate.app.routes.observed import observed
+from rankgate.app.schemas.openapi import operation
+from rankgate.app.schemas.requests import COMPLETION_DECODER, CompletionRequest
+from rankgate.sidecar import Delta
 
 router = APIRouter()
 

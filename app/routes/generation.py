@@ -11,20 +11,20 @@ from typing import Literal, Protocol, TypeVar
 from fastapi import Request
 from starlette.responses import Response
 
-from app.gateway import Gateway
-from app.observe import RequestRecord, Tracked, observer_of
-from app.respond.context import NO_PARSING, ResponseContext
-from app.respond.document import JsonDocument
-from app.respond.logprobs import LogprobFormatter
-from app.respond.merge import close_stream, prime
-from app.respond.parsers import OutputPlan
-from app.respond.sse import EventStreamResponse
-from app.respond.stream import guarded
-from app.routes.common import body_size, pinned_rank, whole_body
-from app.routes.observed import engine_request_id
-from app.routes.route_header import raw_route_headers, route_headers
-from app.schemas.requests import SamplingFields
-from sidecar.types import Delta, RequestTrace
+from rankgate.app.gateway import Gateway
+from rankgate.app.observe import RequestRecord, Tracked, observer_of
+from rankgate.app.respond.context import NO_PARSING, ResponseContext
+from rankgate.app.respond.document import JsonDocument
+from rankgate.app.respond.logprobs import LogprobFormatter
+from rankgate.app.respond.merge import close_stream, prime
+from rankgate.app.respond.parsers import OutputPlan
+from rankgate.app.respond.sse import EventStreamResponse
+from rankgate.app.respond.stream import guarded
+from rankgate.app.routes.common import body_size, pinned_rank, whole_body
+from rankgate.app.routes.observed import engine_request_id
+from rankgate.app.routes.route_header import raw_route_headers, route_headers
+from rankgate.app.schemas.requests import SamplingFields
+from rankgate.sidecar import Delta, RequestTrace
 
 Req = TypeVar("Req", bound=SamplingFields, contravariant=True)
 Prep = TypeVar("Prep", covariant=True)

@@ -6,10 +6,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.errors import model_not_found
-from app.routes.common import gateway_of
-from app.schemas.openapi import json_response
-from app.schemas.responses import ModelList, ModelObject
+from rankgate.app.errors import model_not_found
+from rankgate.app.routes.common import gateway_of
+from rankgate.app.schemas.openapi import json_response
+from rankgate.app.schemas.responses import ModelList, ModelObject
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()

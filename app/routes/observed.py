@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.errors import as_api_error
-from app.headers import request_header
-from app.observe import RequestRecord, observer_of
-from app.request_id import HEADER, from_header, is_safe
-from app.respond.sse import EventStreamResponse
+from rankgate.app.errors import as_api_error
+from rankgate.app.headers import request_header
+from rankgate.app.observe import RequestRecord, observer_of
+from rankgate.app.request_id import HEADER, from_header, is_safe
+from rankgate.app.respond.sse import EventStreamResponse
 
 Serve = Callable[[Request, RequestRecord], Awaitable[Response]]
 CLIENT_GONE = 499

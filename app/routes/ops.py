@@ -8,10 +8,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app import __version__
-from app.metrics import GatewayMetrics
-from app.schemas.openapi import json_response
-from app.schemas.responses import Health, Readiness, Version
+from rankgate import __version__
+from rankgate.app.metrics import GatewayMetrics
+from rankgate.app.schemas.openapi import json_response
+from rankgate.app.schemas.responses import Health, Readiness, Version
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()

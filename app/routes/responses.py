@@ -13,24 +13,24 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.auth import tenant_of
-from app.errors import ApiError
-from app.limits import InputLimits
-from app.observe import RequestRecord, Tracked, observer_of
-from app.prepare.responses import chat_request, renamed
-from app.respond.document import JsonDocument
-from app.respond.merge import prime
-from app.respond.responses import (
+from rankgate.app.auth import tenant_of
+from rankgate.app.errors import ApiError
+from rankgate.app.limits import InputLimits
+from rankgate.app.observe import RequestRecord, Tracked, observer_of
+from rankgate.app.prepare.responses import chat_request, renamed
+from rankgate.app.respond.document import JsonDocument
+from rankgate.app.respond.merge import prime
+from rankgate.app.respond.responses import (
     ResponseChunks,
     ResponsesContext,
     initial_response,
     response_body,
     stored_conversation,
 )
-from app.respond.sse import DeltaEvents, EventStreamResponse
-from app.respond.stream import guarded
-from app.response_store import ResponseStore
-from app.routes.common import (
+from rankgate.app.respond.sse import DeltaEvents, EventStreamResponse
+from rankgate.app.respond.stream import guarded
+from rankgate.app.response_store import ResponseStore
+from rankgate.app.routes.common import (
     body_size,
     decode_body,
     gateway_of,
@@ -38,11 +38,11 @@ from app.routes.common import (
     pinned_rank,
     whole_body,
 )
-from app.routes.observed import engine_request_id, observed
-from app.routes.route_header import raw_route_headers, route_headers
-from app.schemas.openapi import json_response, operation
-from app.schemas.requests import Message
-from app.schemas.responses_api import RESPONSES_DECODER, ResponseDeleted, ResponseObject
+from rankgate.app.routes.observed import engine_request_id, observed
+from rankgate.app.routes.route_header import raw_route_headers, route_headers
+from rankgate.app.schemas.openapi import json_response, operation
+from rankgate.app.schemas.requests import Message
+from rankgate.app.schemas.responses_api import RESPONSES_DECODER, ResponseDeleted, ResponseObject
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()

@@ -8,7 +8,7 @@ built once per engine request by the sidecar, so this costs a dict per response.
 
 from __future__ import annotations
 
-from sidecar.types import Delta
+from rankgate.sidecar import Delta
 
 ROUTE_HEADER = "x-rankgate-route"
 

@@ -14,14 +14,14 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.errors import invalid, unsupported
-from app.gateway import Gateway
-from app.prepare.chat import OFFLOAD_BYTES
-from app.prepare.params import check_token_ids
-from app.routes.common import body_size, decode_body, gateway_of
-from app.schemas.openapi import json_response
-from app.schemas.requests import ChatCompletionRequest
-from app.schemas.tokenize import (
+from rankgate.app.errors import invalid, unsupported
+from rankgate.app.gateway import Gateway
+from rankgate.app.prepare.chat import OFFLOAD_BYTES
+from rankgate.app.prepare.params import check_token_ids
+from rankgate.app.routes.common import body_size, decode_body, gateway_of
+from rankgate.app.schemas.openapi import json_response
+from rankgate.app.schemas.requests import ChatCompletionRequest
+from rankgate.app.schemas.tokenize import (
     DETOKENIZE_DECODER,
     TOKENIZE_DECODER,
     DetokenizeResponse,

@@ -14,7 +14,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.schemas import requests, responses, responses_api, tokenize
+from rankgate.app.schemas import requests, responses, responses_api, tokenize
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (

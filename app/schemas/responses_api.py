@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from app.schemas.requests import (
+from rankgate.app.schemas.requests import (
     NonEmpty,
     NonNegInt,
     Penalty,

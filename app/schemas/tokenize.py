@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from app.schemas.requests import Message, Tool
+from rankgate.app.schemas.requests import Message, Tool
 
 _STRICT = {"forbid_unknown_fields": True, "kw_only": True}
 

@@ -27,8 +27,8 @@ from typing import Generic, TypeVar
 
 import hpack
 
-from sidecar.h2.errors import H2ConnectionError, H2StreamError, StreamIdsExhausted
-from sidecar.h2.frames import (
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError, StreamIdsExhausted
+from rankgate.sidecar.h2.frames import (
     ACK,
     CONTINUATION,
     DATA,
@@ -63,7 +63,7 @@ from sidecar.h2.frames import (
     frame_head,
     settings_frame,
 )
-from sidecar.h2.headers import HeaderDecoder
+from rankgate.sidecar.h2.headers import HeaderDecoder
 
 # A header block (HEADERS and its CONTINUATIONs) larger than this, or split into more frames,
 # ends the connection before it is decoded: the CONTINUATION flood of RFC 9113 section 10.5.

@@ -5,7 +5,7 @@ Both carry the RFC 9113 error code that went (or goes) to the peer in GOAWAY or 
 
 from __future__ import annotations
 
-from sidecar.h2.frames import ErrorCode
+from rankgate.sidecar.h2.frames import ErrorCode
 
 
 class H2Error(Exception):

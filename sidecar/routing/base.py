@@ -12,7 +12,7 @@ from typing import Protocol
 
 import msgspec
 
-from sidecar.types import EngineInfo, PreparedRequest
+from rankgate.sidecar.types import EngineInfo, PreparedRequest
 
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):

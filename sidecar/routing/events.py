@@ -39,10 +39,10 @@ from typing import Any, cast
 import msgspec
 import zmq
 
-from sidecar.routing.hashing import chain_hashes, chain_seed, event_block_keys
-from sidecar.routing.index import EventIndex, medium_tier
-from sidecar.routing.metrics import RoutingMetrics
-from sidecar.types import KvEventSource
+from rankgate.sidecar.routing.hashing import chain_hashes, chain_seed, event_block_keys
+from rankgate.sidecar.routing.index import EventIndex, medium_tier
+from rankgate.sidecar.routing.metrics import RoutingMetrics
+from rankgate.sidecar.types import KvEventSource
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import msgspec
 
-from sidecar.types import MediaInput
+from rankgate.sidecar.types import MediaInput
 
 # vLLM mixes the cache salt into the first block and reports it verbatim in that block's
 # ``extra_keys``; the sidecar sends it with this tag so it can be told apart from LoRA names and

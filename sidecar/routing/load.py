@@ -16,8 +16,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from sidecar.routing.base import RouteDecision
-from sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.routing.base import RouteDecision
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
 
 
 class LoadTracker:

@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from sidecar.plain_metrics import PlainHistogram, merge_count
+from rankgate.sidecar.plain_metrics import PlainHistogram, merge_count
 
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 

@@ -30,22 +30,33 @@ from typing import Literal
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from sidecar.errors import EngineUnavailable, InvalidRequest
-from sidecar.routing.base import RouteDecision, Router, RouteTicket
-from sidecar.routing.events import IntakeSettings, KvEventIntake
-from sidecar.routing.hashing import PromptKeys, prompt_keys
-from sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, PredictedIndex, PrefixMatch
-from sidecar.routing.load import LoadTracker, RecentWork, UntrackedTicket
-from sidecar.routing.metrics import RankCounts, RankSnapshot, RoutingMetrics, routing_metrics
-from sidecar.routing.shared_index import (
+from rankgate.sidecar.errors import EngineUnavailable, InvalidRequest
+from rankgate.sidecar.routing.base import RouteDecision, Router, RouteTicket
+from rankgate.sidecar.routing.events import IntakeSettings, KvEventIntake
+from rankgate.sidecar.routing.hashing import PromptKeys, prompt_keys
+from rankgate.sidecar.routing.index import (
+    DEVICE,
+    OFFLOADED,
+    EventIndex,
+    PredictedIndex,
+    PrefixMatch,
+)
+from rankgate.sidecar.routing.load import LoadTracker, RecentWork, UntrackedTicket
+from rankgate.sidecar.routing.metrics import (
+    RankCounts,
+    RankSnapshot,
+    RoutingMetrics,
+    routing_metrics,
+)
+from rankgate.sidecar.routing.shared_index import (
     MAX_SLOTS,
     SharedKvReader,
     SharedKvTable,
     table_name,
 )
-from sidecar.routing.shared_index import remove as remove_table
-from sidecar.routing.shared_load import SharedLoadBoard
-from sidecar.types import EngineInfo, KvEventSource, PreparedRequest
+from rankgate.sidecar.routing.shared_index import remove as remove_table
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.types import EngineInfo, KvEventSource, PreparedRequest
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import logging
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 
-from sidecar.routing.index import PrefixMatch
-from sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.routing.index import PrefixMatch
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from app.prepare.tokenizer import TextTokenizer
-from sidecar.errors import SidecarError
-from sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity, TokenLogprob
+from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.sidecar.errors import SidecarError
+from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity, TokenLogprob
 
 SCRIPTED_MODEL = "scripted"
 

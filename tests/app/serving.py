@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from app.connections import ConnectionLimits, uvicorn_config
+from rankgate.app.connections import ConnectionLimits, uvicorn_config
 from tests.support.ports import free_port
 
 

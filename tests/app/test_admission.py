@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mocker.testing import MockEngineHandle
-from sidecar.admission import GROUP, AdmissionConfig
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.sidecar.admission import GROUP, AdmissionConfig
 from tests.chaos.harness import (
     Gateway,
     assert_clean,

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.auth import AccessConfig, ApiKeyAuth, load_keys
-from app.cli import build_parser, settings_from_args
-from app.server import create_app
-from app.settings import GatewaySettings
+from rankgate.app.auth import AccessConfig, ApiKeyAuth, load_keys
+from rankgate.app.cli import build_parser, settings_from_args
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
@@ -201,7 +201,7 @@ def test_keys_from_a_file_named_in_the_environment_stay_off_the_command_line(
         "RANKGATE_MOCK_SPEED": "0",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--log-level", "warning"],
+        [sys.executable, "-m", "rankgate.app.cli", "serve", "--log-level", "warning"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser, settings_from_args
+from rankgate.app.cli import build_parser, settings_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_unknown_parser_is_refused() -> None:
 
 def test_mock_engine_subcommand_is_registered() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "mock-engine", "--help"],
+        [sys.executable, "-m", "rankgate.app.cli", "mock-engine", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -76,7 +76,7 @@ def test_missing_tokenizer_fails_startup_with_guidance(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "rankgate.app.cli",
             "serve",
             "--port",
             "0",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.prepare.completion import MAX_PROMPTS
+from rankgate.app.prepare.completion import MAX_PROMPTS
 from tests.support.engines import EngineUnderTest
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.cli import build_parser
+from rankgate.app.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gen-config-doc"

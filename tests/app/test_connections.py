@@ -14,9 +14,9 @@ import httpx
 import orjson
 import pytest
 
-from app.connections import ConnectionLimits
-from app.server import create_app
-from app.settings import GatewaySettings
+from rankgate.app.connections import ConnectionLimits
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

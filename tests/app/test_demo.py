@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.routes.models import DEMO_OWNER
+from rankgate.app.routes.models import DEMO_OWNER
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def _env(**extra: str) -> dict[str, str]:
 def process(argv: list[str], log: Path, **env: str) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *argv],
+            [sys.executable, "-m", "rankgate.app.cli", *argv],
             cwd=ROOT,
             env=_env(**env),
             stdout=out,
@@ -147,7 +147,7 @@ def test_requiring_an_engine_refuses_the_demo_naming_the_variable(tmp_path: Path
     ):
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "app.cli", *argv],
+            [sys.executable, "-m", "rankgate.app.cli", *argv],
             cwd=ROOT,
             env=_env(RANKGATE_PORT=str(free_port()), **env),
             capture_output=True,

@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 
-from app.auth import AccessConfig
-from app.clients import ClientWatch
-from app.fastpath import FastPathApp
-from app.server import create_app
-from app.settings import GatewaySettings
+from rankgate.app.auth import AccessConfig
+from rankgate.app.clients import ClientWatch
+from rankgate.app.fastpath import FastPathApp
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

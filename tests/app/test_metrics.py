@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-import app.metrics as metrics_module
+import rankgate.app.metrics as metrics_module
 from tests.support.engines import EngineUnderTest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,8 +135,8 @@ def test_engine_health_goes_down_with_the_engine(
 _MULTIPROCESS = """
 import sys
 from prometheus_client import CollectorRegistry
-from app.metrics import GatewayMetrics, Observation
-from sidecar.routing.metrics import routing_metrics
+from rankgate.app.metrics import GatewayMetrics, Observation
+from rankgate.sidecar.routing.metrics import routing_metrics
 
 registry = CollectorRegistry()
 metrics = GatewayMetrics(registry)
@@ -275,7 +275,7 @@ def test_one_process_exposes_what_the_client_library_would() -> None:
     series, buckets and values as prometheus-client's own objects fed the same requests."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from app.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation
+    from rankgate.app.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation
 
     ours = GatewayMetrics(CollectorRegistry())
     reference_registry = CollectorRegistry()
@@ -330,8 +330,8 @@ def test_a_stream_that_fails_midway_is_counted_with_its_error_status(
     endpoint: str,
     body: dict[str, Any],
 ) -> None:
-    from app.errors import as_api_error
-    from sidecar.errors import EngineFailure
+    from rankgate.app.errors import as_api_error
+    from rankgate.sidecar.errors import EngineFailure
     from tests.app.scripted import SCRIPTED_MODEL
 
     failure = EngineFailure("engine died mid-stream")

@@ -7,8 +7,8 @@ from typing import Any
 import openai
 import pytest
 
-from app.prepare.template import ChatTemplate
-from app.prepare.tokenizer import TextTokenizer
+from rankgate.app.prepare.template import ChatTemplate
+from rankgate.app.prepare.tokenizer import TextTokenizer
 from tests.conftest import TINY_TOKENIZER
 
 MODEL = "tiny-llama"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import __version__
-from app.schemas.requests import ChatCompletionRequest, CompletionRequest
+from rankgate import __version__
+from rankgate.app.schemas.requests import ChatCompletionRequest, CompletionRequest
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
 
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.respond.parsers import (
+from rankgate.app.respond.parsers import (
     ChoiceParser,
     Parsed,
     Tool,

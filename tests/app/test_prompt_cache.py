@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.prepare import prompt_cache
-from app.prepare.prompt_cache import PromptCache
-from app.prepare.template import ChatTemplate
+from rankgate.app.prepare import prompt_cache
+from rankgate.app.prepare.prompt_cache import PromptCache
+from rankgate.app.prepare.template import ChatTemplate
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
 from tests.app.test_template import TEMPLATES
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import ApiError
-from app.response_store import ResponseStore, StoreLimits
-from app.schemas.requests import AssistantMessage, UserMessage
+from rankgate.app.errors import ApiError
+from rankgate.app.response_store import ResponseStore, StoreLimits
+from rankgate.app.schemas.requests import AssistantMessage, UserMessage
 
 TURN = (UserMessage(content="hi"), AssistantMessage(content="hello"))
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from sidecar.errors import (
+from rankgate.sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,

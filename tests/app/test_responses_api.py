@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 
-from app.auth import AccessConfig
-from app.prepare.template import ChatTemplate
-from app.prepare.tokenizer import TextTokenizer
-from app.server import create_app
-from app.settings import GatewaySettings
-from sidecar.errors import EngineFailure
+from rankgate.app.auth import AccessConfig
+from rankgate.app.prepare.template import ChatTemplate
+from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.sidecar.errors import EngineFailure
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

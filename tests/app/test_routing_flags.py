@@ -11,10 +11,10 @@ import httpx
 import msgspec
 import pytest
 
-from app.cli import build_parser, settings_from_args
-from app.routing_flags import TUNABLES
-from sidecar.routing.events import IntakeSettings
-from sidecar.routing.policy import RoutingConfig
+from rankgate.app.cli import build_parser, settings_from_args
+from rankgate.app.routing_flags import TUNABLES
+from rankgate.sidecar.routing.events import IntakeSettings
+from rankgate.sidecar.routing.policy import RoutingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def test_every_routing_config_field_has_a_flag() -> None:
 
 def test_help_documents_each_flag_with_its_default() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--help"],
+        [sys.executable, "-m", "rankgate.app.cli", "serve", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -152,8 +152,8 @@ def test_an_unknown_policy_from_the_environment_is_refused(monkeypatch: pytest.M
 def test_image_token_id_places_images_in_the_prepared_prompt(flag: str | None) -> None:
     """The tiny tokenizer's ``<|image|>`` is id 5: found by itself, or named by the flag; a
     wrong id finds no placeholder and the request is refused before reaching the engine."""
-    from app.server import create_app
-    from multimodal import MediaPreparer
+    from rankgate.app.server import create_app
+    from rankgate.multimodal import MediaPreparer
     from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
     from tests.app.serving import serve_app
     from tests.conftest import TINY_TOKENIZER

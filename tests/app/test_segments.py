@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from app.prepare import segments
-from app.prepare.segments import SegmentEncoder, segmentable
-from app.prepare.tokenizer import TextTokenizer
-from app.server import create_app
-from app.settings import GatewaySettings
+from rankgate.app.prepare import segments
+from rankgate.app.prepare.segments import SegmentEncoder, segmentable
+from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

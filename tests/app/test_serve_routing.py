@@ -36,7 +36,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     }
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--route-hot-spill-requests", "3"],
+            [sys.executable, "-m", "rankgate.app.cli", "serve", "--route-hot-spill-requests", "3"],
             cwd=ROOT,
             env=env,
             stdout=sink,

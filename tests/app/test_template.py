@@ -10,8 +10,8 @@ import jinja2
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from app.prepare.template import ChatTemplate, TemplateRenderError, detect_content_format
-from app.prepare.tokenizer import TextTokenizer
+from rankgate.app.prepare.template import ChatTemplate, TemplateRenderError, detect_content_format
+from rankgate.app.prepare.tokenizer import TextTokenizer
 from tests.conftest import TINY_TOKENIZER
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -11,12 +11,12 @@ import httpx
 import msgspec
 import pytest
 
-from app import unknown_fields
-from app.limits import InputLimits
-from app.schemas.requests import ChatCompletionRequest
-from app.server import create_app
-from app.settings import GatewaySettings
-from app.unknown_fields import MAX_IGNORED
+from rankgate.app import unknown_fields
+from rankgate.app.limits import InputLimits
+from rankgate.app.schemas.requests import ChatCompletionRequest
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.app.unknown_fields import MAX_IGNORED
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
@@ -195,10 +195,10 @@ def test_fields_vllm_removed_are_applied_with_vllms_warning(
 ) -> None:
     """vLLM's server ignores its removed guided_* fields and warns; Rankgate still constrains
     the output (a client written for an older vLLM keeps working) and warns once per name."""
-    from app.prepare import params
+    from rankgate.app.prepare import params
 
     monkeypatch.setattr(params, "_warned_removed", set())
-    caplog.set_level(logging.WARNING, "app.prepare.params")
+    caplog.set_level(logging.WARNING, "rankgate.app.prepare.params")
     for _ in range(2):
         body = chat(guided_regex="[ab]+", guided_decoding_backend="xgrammar")
         response = lenient.post("/v1/chat/completions", json=body)

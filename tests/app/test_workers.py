@@ -19,8 +19,8 @@ import httpx
 import orjson
 import pytest
 
-from mocker.config import MockEngineConfig
-from mocker.testing import running_mock_engine
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import running_mock_engine
 from tests.app.test_metrics import value
 from tests.conftest import TINY_TOKENIZER
 from tests.support.ports import free_port, free_port_range
@@ -89,7 +89,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             [
                 sys.executable,
                 "-m",
-                "app.cli",
+                "rankgate.app.cli",
                 "serve",
                 "--workers",
                 "2",

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mocker.config import MockEngineConfig
-from mocker.testing import running_mock_engine
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import running_mock_engine
 from tests.app.test_metrics import value
 from tests.app.test_workers import ROOT, Gateway, _wait_ready
 from tests.conftest import TINY_TOKENIZER
@@ -48,7 +48,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             [
                 sys.executable,
                 "-m",
-                "app.cli",
+                "rankgate.app.cli",
                 "serve",
                 "--workers",
                 "2",

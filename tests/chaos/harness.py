@@ -15,11 +15,11 @@ import httpx
 import orjson
 from fastapi import FastAPI
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from mocker.config import MockEngineConfig
-from mocker.testing import MockEngineHandle, running_mock_engine
-from sidecar.admission import Admission
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
+from rankgate.sidecar.admission import Admission
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.ports import free_port, free_port_range

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from mocker.testing import MockEngineHandle
-from sidecar.admission import AdmissionConfig
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
     chat,

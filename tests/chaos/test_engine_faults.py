@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mocker.testing import running_mock_engine
-from sidecar.routing.policy import RoutingConfig
+from rankgate.mocker.testing import running_mock_engine
+from rankgate.sidecar.routing.policy import RoutingConfig
 from tests.chaos.harness import (
     Gateway,
     StreamResult,

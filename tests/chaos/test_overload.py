@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from sidecar.admission import AdmissionConfig
+from rankgate.sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
     chat,

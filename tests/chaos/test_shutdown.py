@@ -37,8 +37,8 @@ def read_to_end(sock: socket.socket) -> bytes:
 def test_sigterm_drains_then_ends_the_rest_cleanly() -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--mock-speed", "1",
-         "--shutdown-grace", str(GRACE), "--log-level", "warning"],
+        [sys.executable, "-m", "rankgate.app.cli", "serve", "--port", str(port),
+         "--mock-speed", "1", "--shutdown-grace", str(GRACE), "--log-level", "warning"],
         cwd=ROOT,
     )  # fmt: skip
     try:

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from sidecar.proto.vllm import control_pb2, control_pb2_grpc, inference_pb2_grpc
+from rankgate.sidecar.proto.vllm import control_pb2, control_pb2_grpc, inference_pb2_grpc
 from tests.conformance import helpers
 from tests.support.engines import EngineUnderTest
 

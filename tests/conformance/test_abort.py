@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.conformance.helpers import (
     RPC_TIMEOUT_S,
     FinishReason,

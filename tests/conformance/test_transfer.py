@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from mocker.config import MockEngineConfig
-from mocker.testing import MockEngineHandle, running_mock_engine
-from sidecar.proto.vllm import inference_pb2
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
+from rankgate.sidecar.proto.vllm import inference_pb2
 from tests.conformance import helpers
 from tests.conftest import TINY_TOKENIZER
 from tests.support.polling import wait_until, wait_until_or_not

@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mocker.config import MockEngineConfig
-from mocker.testing import MockEngineHandle, running_mock_engine
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from tests.deploy.dockerfile import Dockerfile, Stage, parse
 from tests.support.ports import free_port, free_port_range
 
@@ -84,7 +84,7 @@ def _copy(sources: list[str], destination: Path) -> None:
         src = ROOT / source
         assert src.exists(), f"COPY source {source} is not in the build context"
         if src.is_dir():
-            shutil.copytree(src, destination, ignore=ignore, dirs_exist_ok=True)
+            shutil.copytree(src, destination, symlinks=True, ignore=ignore, dirs_exist_ok=True)
         else:
             destination.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, destination / src.name)
@@ -240,7 +240,7 @@ def _user(stage: Stage) -> tuple[int, int]:
 
 def _installed_tokenizer(image: BuiltImage) -> Path:
     found = list(
-        Path(image.path("/opt/rankgate")).glob("lib/python*/site-packages/mocker/assets/*")
+        Path(image.path("/opt/rankgate")).glob("lib/python*/site-packages/rankgate/mocker/assets/*")
     )
     assert found, "the mocker's tiny tokenizer is not in the installed package"
     return found[0]

@@ -14,7 +14,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped,unused-ignore]
 
-from app.cli import add_serve_arguments
+from rankgate.app.cli import add_serve_arguments
 from tests.deploy.dockerfile import parse
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,11 +7,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from mocker.config import MockEngineConfig
-from mocker.testing import MockEngineHandle, RankStats, running_mock_engine
-from multimodal import MediaConfig, MediaPreparer
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle, RankStats, running_mock_engine
+from rankgate.multimodal import MediaConfig, MediaPreparer
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.ports import free_port, free_port_range

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.cli import build_parser, settings_from_args
-from app.server import create_app
-from app.settings import GatewaySettings
-from mocker.testing import running_mock_engine
+from rankgate.app.cli import build_parser, settings_from_args
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.mocker.testing import running_mock_engine
 from tests.app.serving import serve_app
 from tests.disagg.conftest import chat_body, engine_config
 
@@ -81,7 +81,7 @@ def test_models_that_differ_fail_startup_naming_both() -> None:
             [
                 sys.executable,
                 "-m",
-                "app.cli",
+                "rankgate.app.cli",
                 "serve",
                 "--port",
                 "0",

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mocker.testing import running_mock_engine
-from sidecar.admission import Admission, AdmissionConfig
-from sidecar.config import SidecarConfig
-from sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
-from sidecar.engine import Sidecar
-from sidecar.errors import DiscoveryError, EngineUnavailable
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import (
+from rankgate.mocker.testing import running_mock_engine
+from rankgate.sidecar.admission import Admission, AdmissionConfig
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import (
     Delta,
     MediaInput,
     PreparedRequest,

@@ -15,10 +15,10 @@ import httpx
 import orjson
 import pytest
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from mocker.testing import running_mock_engine
-from multimodal import MediaConfig, MediaPreparer
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.mocker.testing import running_mock_engine
+from rankgate.multimodal import MediaConfig, MediaPreparer
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.disagg.conftest import MODEL, Pair, chat_body, engine_config, engine_pair, gateway_url

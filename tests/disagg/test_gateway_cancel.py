@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.admission import AdmissionConfig
+from rankgate.sidecar.admission import AdmissionConfig
 from tests.disagg.conftest import Pair, chat_body, engine_pair, gateway_url
 
 # A long prompt prefills for about 2 s; a decode waits 1 s for its KV, then steps every 50 ms.

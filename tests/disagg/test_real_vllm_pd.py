@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from multimodal import MediaConfig, MediaPreparer
-from sidecar.admission import AdmissionConfig
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.multimodal import MediaConfig, MediaPreparer
+from rankgate.sidecar.admission import AdmissionConfig
 from tests.app.serving import serve_app
 from tests.multimodal.pictures import encode, noise
 from tests.support.polling import wait_until, wait_until_or_not

@@ -10,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mocker.cli import config_from_args, register
+from rankgate.mocker.cli import config_from_args, register
 from tests.support.ports import free_port
 
 
@@ -44,7 +44,7 @@ def test_register_maps_flags_onto_the_config() -> None:
 def test_python_dash_m_serves_until_stopped() -> None:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "mocker", "--port", str(port), "--speed", "0"],
+        [sys.executable, "-m", "rankgate.mocker", "--port", str(port), "--speed", "0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

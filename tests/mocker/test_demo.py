@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mocker.demo import DP_SIZE, MODEL, demo_engine, tiny_tokenizer_dir
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.types import PreparedRequest, SamplingParams, StoppingParams
+from rankgate.mocker.demo import DP_SIZE, MODEL, demo_engine, tiny_tokenizer_dir
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.sidecar.routers import FixedRouter
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mocker.testing import MockEngineHandle
+from rankgate.mocker.testing import MockEngineHandle
 from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
 
 

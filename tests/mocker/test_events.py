@@ -10,8 +10,8 @@ import msgpack
 import zmq
 from PIL import Image
 
-from mocker.testing import MockEngineHandle
-from sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
 
 IMAGE_TOKEN = 5

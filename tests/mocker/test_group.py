@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 
-from mocker.config import ConfigError, MockEngineConfig
-from mocker.testing import MockEngineHandle
-from sidecar.proto.vllm import control_pb2
+from rankgate.mocker.config import ConfigError, MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.sidecar.proto.vllm import control_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 
 

@@ -21,9 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from mocker.h2server import H2Server
-from mocker.testing import MockEngineHandle
-from sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.mocker.h2server import H2Server
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mocker.testing import MockEngineHandle
-from sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 
 

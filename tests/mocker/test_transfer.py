@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 import pytest
 
-from mocker.config import ConfigError
-from mocker.testing import MockEngineHandle
-from mocker.transfer import DIGEST_KEY
-from sidecar.convert import decode_transfer_params, encode_transfer_params
-from sidecar.proto.vllm import inference_pb2
+from rankgate.mocker.config import ConfigError
+from rankgate.mocker.testing import MockEngineHandle
+from rankgate.mocker.transfer import DIGEST_KEY
+from rankgate.sidecar.convert import decode_transfer_params, encode_transfer_params
+from rankgate.sidecar.proto.vllm import inference_pb2
 from tests.mocker.conftest import Client, engine, make_config, prompt, request
 
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
-from multimodal import MediaConfig, MediaPreparer
+from rankgate.multimodal import MediaConfig, MediaPreparer
 
 # Names the tests fetch from, and the addresses the fake resolver gives them.
 PUBLIC_HOST = "images.example.com"

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from multimodal.addresses import AddressPolicy, GuardedBackend, system_resolver
-from multimodal.errors import ImageRefused
+from rankgate.multimodal.addresses import AddressPolicy, GuardedBackend, system_resolver
+from rankgate.multimodal.errors import ImageRefused
 from tests.multimodal.conftest import PUBLIC_IP, table_resolver
 
 

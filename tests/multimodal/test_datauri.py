@@ -4,8 +4,8 @@ import base64
 
 import pytest
 
-from multimodal.datauri import parse_data_uri
-from multimodal.errors import ImageRefused
+from rankgate.multimodal.datauri import parse_data_uri
+from rankgate.multimodal.errors import ImageRefused
 
 
 def test_base64_and_percent_encoded_payloads() -> None:

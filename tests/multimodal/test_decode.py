@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from PIL import Image
 
-from multimodal.decode import DecodeLimits, ImageDecoder, decode_image, sniff_format
-from multimodal.errors import ImageRefused
-from multimodal.identity import content_identity
+from rankgate.multimodal.decode import DecodeLimits, ImageDecoder, decode_image, sniff_format
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.identity import content_identity
 from tests.multimodal.pictures import encode, noise, png_claiming
 
 LIMITS = DecodeLimits(("JPEG", "PNG", "WEBP", "GIF"), 4_000_000)

@@ -6,10 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multimodal.errors import ImageRefused
-from multimodal.expansion import FixedTokens, LearnedTokenCounts, QwenVLPatchMerge, formula_for
-from multimodal.types import MediaConfig
-from sidecar.types import MediaInput
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.expansion import (
+    FixedTokens,
+    LearnedTokenCounts,
+    QwenVLPatchMerge,
+    formula_for,
+)
+from rankgate.multimodal.types import MediaConfig
+from rankgate.sidecar.types import MediaInput
 
 QWEN = QwenVLPatchMerge(14, 2, 56 * 56, 28 * 28 * 16384)
 QWEN25_BUDGET = QwenVLPatchMerge(14, 2, 256 * 28 * 28, 1280 * 28 * 28)

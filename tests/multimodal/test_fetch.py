@@ -14,9 +14,9 @@ import httpx
 import pytest
 import respx
 
-from multimodal import MediaConfig, MediaPreparer
-from multimodal.errors import ImageRefused
-from multimodal.fetch import ImageFetcher
+from rankgate.multimodal import MediaConfig, MediaPreparer
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.fetch import ImageFetcher
 from tests.multimodal.conftest import MakePreparer
 
 URL = "http://images.example.com/cat.png"

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from multimodal import MediaConfig, MediaPreparer
-from multimodal.identity import content_identity, url_identity
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.multimodal import MediaConfig, MediaPreparer
+from rankgate.multimodal.identity import content_identity, url_identity
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conformance.helpers import kv_listener
@@ -390,7 +390,7 @@ def test_passthrough_mode_hands_urls_to_the_engine(
 
 
 def test_cli_image_flags_reach_the_media_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.cli import build_parser, settings_from_args
+    from rankgate.app.cli import build_parser, settings_from_args
 
     monkeypatch.setenv("RANKGATE_IMAGE_ALLOW_NETWORK", "10.0.0.0/8, 127.0.0.0/8")
     args = build_parser().parse_args(

@@ -6,7 +6,7 @@ from email.utils import formatdate
 
 import pytest
 
-from multimodal.http_cache import FetchCache, lifetime
+from rankgate.multimodal.http_cache import FetchCache, lifetime
 
 NOW = 1_800_000_000.0
 

@@ -9,8 +9,8 @@ import pytest
 from blake3 import blake3
 from PIL import Image
 
-from multimodal.decode import DecodeLimits, decode_image
-from multimodal.identity import canonical_rgb, content_identity, url_identity
+from rankgate.multimodal.decode import DecodeLimits, decode_image
+from rankgate.multimodal.identity import canonical_rgb, content_identity, url_identity
 from tests.multimodal.pictures import encode, noise
 
 LIMITS = DecodeLimits(("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"), 10_000_000)

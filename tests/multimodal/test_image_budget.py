@@ -16,11 +16,11 @@ import httpx
 import pytest
 from PIL import Image
 
-from app.server import create_app
-from app.settings import GatewaySettings
-from multimodal import MediaConfig, MediaPreparer
-from multimodal.errors import ImageError, ImagesOverBudget
-from multimodal.types import ImageRef
+from rankgate.app.server import create_app
+from rankgate.app.settings import GatewaySettings
+from rankgate.multimodal import MediaConfig, MediaPreparer
+from rankgate.multimodal.errors import ImageError, ImagesOverBudget
+from rankgate.multimodal.types import ImageRef
 from tests.app.serving import serve_app
 from tests.multimodal.pictures import data_uri, encode, noise, png_claiming
 from tests.support.engines import EngineUnderTest

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from multimodal.lru import BoundedLRU
+from rankgate.multimodal.lru import BoundedLRU
 
 
 def test_evicts_least_recently_used_by_cost() -> None:

@@ -6,8 +6,8 @@ import httpx
 import pytest
 import respx
 
-from multimodal import ImageError, ImageRef
-from multimodal.identity import content_identity, url_identity
+from rankgate.multimodal import ImageError, ImageRef
+from rankgate.multimodal.identity import content_identity, url_identity
 from tests.multimodal.conftest import MakePreparer
 from tests.multimodal.pictures import data_uri, encode, noise, png_claiming
 

@@ -11,9 +11,9 @@ import httpcore
 import httpx
 import pytest
 
-from multimodal.addresses import AddressPolicy
-from multimodal.errors import ImageRefused
-from multimodal.transport import GuardedTransport, as_httpx_error
+from rankgate.multimodal.addresses import AddressPolicy
+from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.transport import GuardedTransport, as_httpx_error
 
 LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=4)
 

@@ -11,10 +11,10 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
-from sidecar.routing.base import Router
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.routing.shared_load import SharedLoadBoard
-from sidecar.types import (
+from rankgate.sidecar.routing.base import Router
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.types import (
     EngineInfo,
     KvEventSource,
     PreparedRequest,

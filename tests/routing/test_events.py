@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from sidecar.routing.events import IntakeSettings
-from sidecar.routing.policy import RoutingConfig
+from rankgate.sidecar.routing.events import IntakeSettings
+from rankgate.sidecar.routing.policy import RoutingConfig
 from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample
 from tests.routing.publisher import cleared, removed, stored
 

@@ -21,10 +21,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.cli import build_parser, settings_from_args
-from app.server import create_app
-from mocker.config import MockEngineConfig
-from mocker.testing import MockEngineHandle, running_mock_engine
+from rankgate.app.cli import build_parser, settings_from_args
+from rankgate.app.server import create_app
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from tests.app.serving import serve_app
 from tests.app.test_route_header import route_of, served_on
 from tests.conftest import TINY_TOKENIZER

@@ -8,7 +8,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.routing.hashing import (
+from rankgate.sidecar.routing.hashing import (
     SALT_TAG,
     chain_hashes,
     chain_seed,
@@ -16,7 +16,7 @@ from sidecar.routing.hashing import (
     prompt_keys,
     text_key,
 )
-from sidecar.types import MediaInput
+from rankgate.sidecar.types import MediaInput
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=200_000), max_size=80)
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, PredictedIndex, medium_tier
+from rankgate.sidecar.routing.index import (
+    DEVICE,
+    OFFLOADED,
+    EventIndex,
+    PredictedIndex,
+    medium_tier,
+)
 
 
 def test_longest_prefix_per_slot_and_tiers() -> None:

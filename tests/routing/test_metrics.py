@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from sidecar.routing.metrics import RATIO_BUCKETS, RouteTally
+from rankgate.sidecar.routing.metrics import RATIO_BUCKETS, RouteTally
 
 # (policy, rank, prompt tokens, cached tokens) of each routed request
 ROUTES = [("kv", "0", 17, 16), ("kv", "1", 40, 0), ("kv", "0", 8, 8), ("kv", "1", 0, 0)]

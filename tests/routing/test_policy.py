@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from sidecar.errors import EngineUnavailable, InvalidRequest
-from sidecar.routing.events import IntakeSettings
-from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
-from sidecar.types import MediaInput
+from rankgate.sidecar.errors import EngineUnavailable, InvalidRequest
+from rankgate.sidecar.routing.events import IntakeSettings
+from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.types import MediaInput
 from tests.routing.conftest import BLOCK, RigFactory, engine_info, prepared, sample
 from tests.routing.publisher import stored
 

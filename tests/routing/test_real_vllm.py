@@ -14,10 +14,10 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
-from sidecar.types import PreparedRequest, SamplingParams, StoppingParams
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.conformance.helpers import fresh_prompt
 from tests.support.engines import EngineUnderTest
 

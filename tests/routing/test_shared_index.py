@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, match_masks
-from sidecar.routing.policy import KvRouter, RoutingConfig, build_router
-from sidecar.routing.shared_index import (
+from rankgate.sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, match_masks
+from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.routing.shared_index import (
     MAX_SLOTS,
     MIN_ENTRIES,
     SharedKvReader,
@@ -22,8 +22,8 @@ from sidecar.routing.shared_index import (
     table_entries,
     table_name,
 )
-from sidecar.routing.shared_load import SharedLoadBoard
-from sidecar.types import KvEventSource
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.types import KvEventSource
 from tests.routing.conftest import engine_info
 
 _names = iter(range(1_000_000))

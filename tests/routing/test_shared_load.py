@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.routing.base import RouteDecision
-from sidecar.routing.load import LoadTracker
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.routing.base import RouteDecision
+from rankgate.sidecar.routing.load import LoadTracker
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
 from tests.routing.conftest import engine_info, prepared
 
 WORKERS = 2

@@ -27,12 +27,12 @@ import httpx
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from mocker.config import MockEngineConfig
-from mocker.testing import running_mock_engine
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import PreparedRequest, SamplingParams, StoppingParams
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import running_mock_engine
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.support.ports import free_port, free_port_range
 
 # The tiny tokenizer the gateway and the engine share has 3,072 ids.
@@ -277,8 +277,8 @@ async def _client(
         finally:
             await sidecar.close()
         return
-    from app.server import create_app
-    from app.settings import GatewaySettings
+    from rankgate.app.server import create_app
+    from rankgate.app.settings import GatewaySettings
     from tests.app.serving import serve_app
 
     settings = GatewaySettings(

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest_asyncio
 
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
 from tests.sidecar.fake_vllm import FakeServer, FakeVllm
 from tests.sidecar.routers import FixedRouter
 

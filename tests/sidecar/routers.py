@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from sidecar.routing.base import RouteDecision
-from sidecar.types import EngineInfo, PreparedRequest
+from rankgate.sidecar.routing.base import RouteDecision
+from rankgate.sidecar.types import EngineInfo, PreparedRequest
 
 
 @dataclass

@@ -8,9 +8,9 @@ import asyncio
 import msgspec
 import pytest
 
-from sidecar.admission import GROUP, Admission, AdmissionConfig
-from sidecar.errors import EngineUnavailable, GatewayOverloaded
-from sidecar.types import RankCapacity
+from rankgate.sidecar.admission import GROUP, Admission, AdmissionConfig
+from rankgate.sidecar.errors import EngineUnavailable, GatewayOverloaded
+from rankgate.sidecar.types import RankCapacity
 from tests.app.scripted import scripted_info
 from tests.conftest import TINY_TOKENIZER
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.convert import (
+from rankgate.sidecar.convert import (
     DeltaDecoder,
     RequestEncoder,
     decode_transfer_params,
@@ -14,10 +14,10 @@ from sidecar.convert import (
     merge_responses,
     wants_logprobs,
 )
-from sidecar.errors import EngineFailure, InvalidRequest
-from sidecar.proto.vllm import inference_pb2 as pb
-from sidecar.routing.hashing import SALT_TAG
-from sidecar.types import (
+from rankgate.sidecar.errors import EngineFailure, InvalidRequest
+from rankgate.sidecar.proto.vllm import inference_pb2 as pb
+from rankgate.sidecar.routing.hashing import SALT_TAG
+from rankgate.sidecar.types import (
     MediaInput,
     OutputOptions,
     PreparedRequest,

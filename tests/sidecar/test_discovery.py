@@ -4,10 +4,10 @@ from typing import Any
 
 import pytest
 
-from sidecar.discovery import build_discovered, served_ranks
-from sidecar.errors import DiscoveryError
-from sidecar.proto.vllm import control_pb2
-from sidecar.types import RankCapacity
+from rankgate.sidecar.discovery import build_discovered, served_ranks
+from rankgate.sidecar.errors import DiscoveryError
+from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.sidecar.types import RankCapacity
 
 
 def model_info(**overrides: Any) -> Any:

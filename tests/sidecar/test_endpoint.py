@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.endpoint import Endpoint, EndpointError, parse_endpoint
+from rankgate.sidecar.endpoint import Endpoint, EndpointError, parse_endpoint
 
 
 @pytest.mark.parametrize(

@@ -10,17 +10,17 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar.errors import (
+from rankgate.sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
     InvalidRequest,
     NotFound,
 )
-from sidecar.proto.vllm import inference_pb2
-from sidecar.routing.hashing import SALT_TAG
-from sidecar.streams import UNPINNED_RANK
-from sidecar.types import SamplingParams, StoppingParams
+from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.sidecar.routing.hashing import SALT_TAG
+from rankgate.sidecar.streams import UNPINNED_RANK
+from rankgate.sidecar.types import SamplingParams, StoppingParams
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
 from tests.sidecar.routers import FixedRouter
@@ -340,8 +340,8 @@ async def test_list_loras_is_cached(fake: FakeServer, start_sidecar: StartSideca
 
 
 async def test_generate_before_start_is_unavailable(fake: FakeServer) -> None:
-    from sidecar.config import SidecarConfig
-    from sidecar.engine import Sidecar
+    from rankgate.sidecar.config import SidecarConfig
+    from rankgate.sidecar.engine import Sidecar
 
     sidecar = Sidecar(SidecarConfig(endpoint=fake.target), FixedRouter())
     with pytest.raises(EngineUnavailable) as caught:

@@ -19,10 +19,10 @@ import grpc
 import hpack
 import pytest
 
-from sidecar import http2
-from sidecar.convert import merge_responses
-from sidecar.endpoint import parse_endpoint
-from sidecar.errors import (
+from rankgate.sidecar import http2
+from rankgate.sidecar.convert import merge_responses
+from rankgate.sidecar.endpoint import parse_endpoint
+from rankgate.sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
@@ -30,10 +30,10 @@ from sidecar.errors import (
     NotFound,
     SidecarError,
 )
-from sidecar.h2 import frames
-from sidecar.h2.headers import HeaderDecoder
-from sidecar.inference_client import InferenceClient
-from sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.sidecar.h2 import frames
+from rankgate.sidecar.h2.headers import HeaderDecoder
+from rankgate.sidecar.inference_client import InferenceClient
+from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.support.ports import free_port
 
 MAX_MESSAGE = 64 << 20

@@ -5,10 +5,10 @@ from typing import Any
 
 import pytest
 
-from sidecar.errors import DiscoveryError
-from sidecar.kv_sources import publisher_binds, rewrite_wildcard, validate_kv_sources
-from sidecar.proto.vllm import control_pb2
-from sidecar.types import KvEventSource
+from rankgate.sidecar.errors import DiscoveryError
+from rankgate.sidecar.kv_sources import publisher_binds, rewrite_wildcard, validate_kv_sources
+from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.sidecar.types import KvEventSource
 
 
 def source(rank: int | None, endpoint: str = "tcp://*:5557", **fields: Any) -> Any:

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.errors import InvalidRequest
-from sidecar.routing.hashing import SALT_TAG
-from sidecar.types import SamplingParams, StoppingParams
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.errors import InvalidRequest
+from rankgate.sidecar.routing.hashing import SALT_TAG
+from rankgate.sidecar.types import SamplingParams, StoppingParams
 from tests.conformance.helpers import fresh_prompt, kv_listener
 from tests.sidecar.fake_vllm import collect, request
 from tests.sidecar.routers import FixedRouter

@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.errors import DiscoveryError, EngineUnavailable
-from sidecar.health import wait_for_serving
-from sidecar.proto.vllm import control_pb2
-from sidecar.types import KvEventSource, RankCapacity
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
+from rankgate.sidecar.health import wait_for_serving
+from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.sidecar.types import KvEventSource, RankCapacity
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import (
     NOT_SERVING,
@@ -199,7 +199,7 @@ async def test_partial_frontend_serves_its_slice(
 async def test_engine_without_kv_event_sources_starts_and_logs_once(
     fake: FakeServer, start_sidecar: StartSidecar, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="sidecar"):
+    with caplog.at_level(logging.INFO, logger="rankgate.sidecar"):
         sidecar = await start_sidecar()
     assert sidecar.ready
     assert sidecar.info.kv_event_sources == ()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from sidecar.errors import (
+from rankgate.sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
@@ -22,9 +22,9 @@ from sidecar.errors import (
     NotFound,
     SidecarError,
 )
-from sidecar.h2.errors import H2ConnectionError, H2StreamError
-from sidecar.h2.frames import ErrorCode
-from sidecar.status import (
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
+from rankgate.sidecar.h2.frames import ErrorCode
+from rankgate.sidecar.status import (
     Status,
     error_from_h2,
     error_from_http_status,

@@ -11,10 +11,15 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable, InvalidRequest
-from sidecar.proto.vllm import inference_pb2
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import OutputOptions, SamplingParams, StoppingParams
+from rankgate.sidecar.errors import (
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    InvalidRequest,
+)
+from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import OutputOptions, SamplingParams, StoppingParams
 from tests.sidecar import fake_vllm
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
@@ -204,7 +209,7 @@ async def test_the_stream_is_still_used_when_streaming(
 
 
 async def _raw_unary(target: str) -> Any:
-    from sidecar.proto.vllm import inference_pb2_grpc
+    from rankgate.sidecar.proto.vllm import inference_pb2_grpc
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub: Any = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call]

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.types import StoppingParams
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.types import StoppingParams
 from tests.conformance.helpers import fresh_prompt, kv_listener
 from tests.conformance.test_abort import (
     MAX_MODEL_LEN,

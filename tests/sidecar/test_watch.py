@@ -8,8 +8,8 @@ import logging
 import grpc
 import pytest
 
-from sidecar.engine import Sidecar
-from sidecar.errors import EngineUnavailable
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.errors import EngineUnavailable
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import (
     NOT_SERVING,
@@ -80,7 +80,7 @@ async def test_changed_model_after_restart_is_refused_loudly(
     fake.fake.health["vllm.Control"] = NOT_SERVING
     await eventually(lambda: not sidecar.ready)
     fake.fake.model = model_info(model_id="org/other")
-    with caplog.at_level(logging.ERROR, logger="sidecar"):
+    with caplog.at_level(logging.ERROR, logger="rankgate.sidecar"):
         fake.fake.health["vllm.Control"] = SERVING
         await eventually(lambda: "model_id: 'org/fake' -> 'org/other'" in caplog.text)
     assert not sidecar.ready

@@ -14,13 +14,18 @@ from typing import Any
 
 import pytest
 
-from mocker.config import MockEngineConfig
-from mocker.testing import MockEngineHandle, running_mock_engine
-from sidecar.config import SidecarConfig
-from sidecar.engine import Sidecar
-from sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable, InvalidRequest
-from sidecar.routing.policy import RoutingConfig, build_router
-from sidecar.types import SamplingParams, StoppingParams
+from rankgate.mocker.config import MockEngineConfig
+from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
+from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.engine import Sidecar
+from rankgate.sidecar.errors import (
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    InvalidRequest,
+)
+from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.types import SamplingParams, StoppingParams
 from tests.sidecar.fake_vllm import collect, eventually, request
 from tests.sidecar.routers import FixedRouter
 from tests.support.ports import free_port

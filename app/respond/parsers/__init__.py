@@ -12,8 +12,8 @@ The entry points other modules use:
 
 from __future__ import annotations
 
-from app.respond.parsers.choice import CallDelta, ChoiceParser, OutputPlan, Parsed
-from app.respond.parsers.registry import (
+from rankgate.app.respond.parsers.choice import CallDelta, ChoiceParser, OutputPlan, Parsed
+from rankgate.app.respond.parsers.registry import (
     REASONING_ALIASES,
     REASONING_PARSERS,
     TOOL_ALIASES,
@@ -26,7 +26,7 @@ from app.respond.parsers.registry import (
     required_schema,
     vocabulary,
 )
-from app.respond.parsers.types import Vocabulary
+from rankgate.app.respond.parsers.types import Vocabulary
 
 TOOL_CALL_PARSERS = tuple(sorted((*TOOL_PARSERS, *TOOL_ALIASES)))
 REASONING_PARSER_NAMES = tuple(sorted((*REASONING_PARSERS, *REASONING_ALIASES)))

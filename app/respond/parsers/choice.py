@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from app.respond.parsers.text import dumps, first_of, partial_suffix
-from app.respond.parsers.types import (
+from rankgate.app.respond.parsers.text import dumps, first_of, partial_suffix
+from rankgate.app.respond.parsers.types import (
     ReasoningSplitter,
     ToolCall,
     ToolContext,
@@ -27,7 +27,7 @@ from app.respond.parsers.types import (
 )
 
 if TYPE_CHECKING:
-    from app.respond.parsers.harmony import HarmonyPiece
+    from rankgate.app.respond.parsers.harmony import HarmonyPiece
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class ChoiceParser:
         self._plan = plan
         self._harmony = None
         if plan.harmony is not None:
-            from app.respond.parsers.harmony import HarmonyStream
+            from rankgate.app.respond.parsers.harmony import HarmonyStream
 
             self._harmony = HarmonyStream(reasoning=plan.harmony[0], tools=plan.harmony[1])
         self._reasoning = plan.reasoning() if plan.reasoning is not None else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from app.respond.parsers.json_calls import deepseek_token
+from rankgate.app.respond.parsers.json_calls import deepseek_token
 
 Node = dict[str, Any]
 Choice = Literal["auto", "required", "forced"]

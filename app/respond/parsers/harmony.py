@@ -26,8 +26,8 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from app.respond.parsers.text import partial_suffix
-from app.respond.parsers.types import ToolCall
+from rankgate.app.respond.parsers.text import partial_suffix
+from rankgate.app.respond.parsers.types import ToolCall
 
 _BUILTIN = frozenset({"python", "browser", "container"})
 

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from app.respond.parsers.text import dumps, loads, raw_decode
-from app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
+from rankgate.app.respond.parsers.text import dumps, loads, raw_decode
+from rankgate.app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
 
 
 def _named(obj: Any, key_order: tuple[str, ...]) -> ToolCall:

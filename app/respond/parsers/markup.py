@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.respond.parsers.text import dumps, raw_decode, typed_arguments
-from app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
+from rankgate.app.respond.parsers.text import dumps, raw_decode, typed_arguments
+from rankgate.app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
 
 # States.
 CONTENT, REASONING, PREAMBLE, NAME, ARGS, BETWEEN = "C", "R", "P", "N", "A", "B"

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from app.respond.parsers.text import dumps
-from app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
+from rankgate.app.respond.parsers.text import dumps
+from rankgate.app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
 
 # The shape vLLM requires before parsing: "[" then calls "name(kw=..., ...)" with keyword
 # arguments only, "," between calls, "]" to close (anything may follow).

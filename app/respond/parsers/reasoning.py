@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from app.respond.parsers.text import first_of, partial_suffix
+from rankgate.app.respond.parsers.text import first_of, partial_suffix
 
 THINK = "<think>"
 END_THINK = "</think>"

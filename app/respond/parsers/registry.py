@@ -14,15 +14,20 @@ from typing import Any
 
 import orjson
 
-from app.respond.parsers import json_calls, markup, reasoning
-from app.respond.parsers.choice import (
+from rankgate.app.respond.parsers import json_calls, markup, reasoning
+from rankgate.app.respond.parsers.choice import (
     OutputPlan,
     mistral_call_id,
     vllm_call_id,
     xlam_call_id,
 )
-from app.respond.parsers.constraints import structural_tag
-from app.respond.parsers.types import ReasoningSplitter, ToolContext, ToolSyntax, Vocabulary
+from rankgate.app.respond.parsers.constraints import structural_tag
+from rankgate.app.respond.parsers.types import (
+    ReasoningSplitter,
+    ToolContext,
+    ToolSyntax,
+    Vocabulary,
+)
 
 TOOL_PARSERS = (
     "deepseek_v3",
@@ -177,7 +182,7 @@ def _syntax(name: str, thinking: bool, reasoning_on: bool, vocab: Vocabulary) ->
     if name in ("llama3_json", "llama4_json"):
         return json_calls.LlamaJson()
     if name in ("pythonic", "llama4_pythonic"):
-        from app.respond.parsers.pythonic import Pythonic
+        from rankgate.app.respond.parsers.pythonic import Pythonic
 
         return Pythonic(llama4=name == "llama4_pythonic")
     if name in ("deepseek_v3", "deepseek_v31"):

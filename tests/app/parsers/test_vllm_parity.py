@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import pytest
 
-from app.respond.parsers import (
+from rankgate.app.respond.parsers import (
     ChoiceParser,
     Parsed,
     Tool,

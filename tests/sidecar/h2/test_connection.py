@@ -12,9 +12,9 @@ import struct
 import hpack
 import pytest
 
-from sidecar.h2 import frames
-from sidecar.h2.connection import MAX_HEADER_FRAMES, H2Connection, H2Stream
-from sidecar.h2.errors import H2ConnectionError, H2StreamError, StreamIdsExhausted
+from rankgate.sidecar.h2 import frames
+from rankgate.sidecar.h2.connection import MAX_HEADER_FRAMES, H2Connection, H2Stream
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError, StreamIdsExhausted
 
 _HEAD = struct.Struct(">HBBBL")
 

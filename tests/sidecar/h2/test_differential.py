@@ -39,9 +39,9 @@ import hpack
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sidecar.h2 import frames
-from sidecar.h2.connection import H2Connection, H2Stream
-from sidecar.h2.errors import H2ConnectionError, H2StreamError
+from rankgate.sidecar.h2 import frames
+from rankgate.sidecar.h2.connection import H2Connection, H2Stream
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
 
 EXAMPLES = int(os.environ.get("RANKGATE_H2_FUZZ_EXAMPLES", "250"))
 # Ids the sequences use: the ones the client opened, some it did not, even ones, stream 0.

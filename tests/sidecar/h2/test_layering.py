@@ -27,15 +27,15 @@ def test_the_core_imports_no_grpc_and_nothing_of_the_gateway() -> None:
     for path in sorted((ROOT / "sidecar" / "h2").glob("*.py")):
         for name in _imports(path):
             assert not name.startswith("grpc"), f"{path.name} imports {name}"
-            if name.startswith("sidecar"):
-                assert name.startswith("sidecar.h2"), f"{path.name} imports {name}"
+            if name.startswith("rankgate."):
+                assert name.startswith("rankgate.sidecar.h2"), f"{path.name} imports {name}"
 
 
 def test_the_mock_engine_takes_only_the_core_from_the_gateway() -> None:
     for path in sorted((ROOT / "mocker").rglob("*.py")):
         for name in _imports(path):
-            if name.startswith("sidecar"):
-                allowed = name.startswith(("sidecar.h2", "sidecar.proto"))
+            if name.startswith("rankgate.sidecar"):
+                allowed = name.startswith(("rankgate.sidecar.h2", "rankgate.sidecar.proto"))
                 assert allowed, f"{path.relative_to(ROOT)} imports {name}"
 
 
