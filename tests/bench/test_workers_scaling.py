@@ -1,5 +1,5 @@
 """bench/workers_scaling.py: how its figures are formed from the runs (pairs of sequential
-runs, and the sums of interleaved turns), since the README quotes them."""
+runs, and the sums of interleaved turns), since docs/benchmarks.md quotes them."""
 
 from __future__ import annotations
 
