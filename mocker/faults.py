@@ -19,6 +19,8 @@ from rankgate.mocker.request import MockRequest
 from rankgate.mocker.status import resource_exhausted
 
 SERVICES = ("", "vllm.Inference", "vllm.Control")
+# A protobuf field tag with wire type 7, which no message may contain.
+GARBLED = b"\xff" * 7
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -40,6 +42,7 @@ class Faults:
         self.serving = False
         self._death_task: asyncio.Task[None] | None = None
         self._withheld = 0
+        self.garbled = 0
         for engine in group.engines.values():
             engine.on_death = self._on_death
             engine.withhold_transfer = self._withhold_transfer
@@ -145,6 +148,22 @@ class Faults:
             return submit(req)
 
         setattr(engine, "submit", refusing)  # noqa: B010 (shadowing a method on one instance)
+
+    # ---- replies outside the contract --------------------------------------------------------
+
+    def garble_replies(self, count: int = -1) -> None:
+        """Answer the next ``count`` calls (-1: all; 0 lifts it) with a message that does not
+        parse as a ``GenerateResponse``, as an engine with a corrupt serializer, or anything
+        between it and the gateway, would."""
+        self.garbled = count
+
+    def garbled_reply(self) -> bytes | None:
+        """The bytes to send instead of a call's next reply, while ``garble_replies`` holds."""
+        if self.garbled == 0:
+            return None
+        if self.garbled > 0:
+            self.garbled -= 1
+        return GARBLED
 
     # ---- disaggregation ----------------------------------------------------------------------
 

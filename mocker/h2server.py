@@ -122,11 +122,23 @@ class Method:
         """From a ``grpc.RpcMethodHandler``; None for client-streaming methods."""
         if handler.request_streaming:
             return None
-        parse, serialize = handler.request_deserializer, handler.response_serializer
+        parse, serialize = (
+            handler.request_deserializer,
+            _bytes_as_they_are(handler.response_serializer),
+        )
         if handler.response_streaming:
             function = handler.unary_stream
             return cls(function, parse, serialize, True, inspect.isasyncgenfunction(function))
         return cls(handler.unary_unary, parse, serialize, False)
+
+
+def _bytes_as_they_are(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """A handler's serializer that sends a reply already encoded (fault injection) unchanged."""
+
+    def serializer(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return serializer
 
 
 class _CallDetails:

@@ -198,9 +198,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         finally:
             if not handle.outbox.finished:
                 engine.abort(handle.request_id)
+        garbled = self._garbled()
+        if garbled is not None:
+            return garbled  # type: ignore[return-value]
         response = inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle, self._server))
         _fill_output(response.outputs, handle, collected)
         return response
+
+    def _garbled(self) -> bytes | None:
+        faults = self._server.faults
+        return None if faults is None else faults.garbled_reply()
 
     async def GenerateStream(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -212,6 +219,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         outbox = handle.outbox
         try:
             yield inference_pb2.GenerateResponse(prompt_info=_prompt_info(handle, self._server))
+            garbled = self._garbled()
+            if garbled is not None:
+                yield garbled  # type: ignore[misc]
             while True:
                 try:
                     items = await outbox.take()

@@ -98,6 +98,9 @@ class MockFaults:
     def drop_kv_batches(self, count: int, rank: int | None = None) -> None:
         self._handle.call(lambda: self._faults.drop_kv_batches(count, rank))
 
+    def garble_replies(self, count: int = -1) -> None:
+        self._handle.call(lambda: self._faults.garble_replies(count))
+
 
 class MockEngineHandle:
     def __init__(self, server: MockServer, loop: asyncio.AbstractEventLoop) -> None:

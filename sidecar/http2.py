@@ -28,7 +28,7 @@ from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar, cast
 from urllib.parse import unquote
 
-from rankgate.sidecar.errors import SidecarError
+from rankgate.sidecar.errors import BadEngineResponse, SidecarError
 from rankgate.sidecar.h2.connection import MAX_HEADER_BLOCK, H2Connection, H2Stream
 from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
 from rankgate.sidecar.h2.frames import (
@@ -223,7 +223,16 @@ class Call(H2Stream, Generic[T]):
         try:
             message = self._next()
         except Exception as bad:
-            future.set_exception(bad)
+            # A reply that does not parse breaks the contract: the engine is not busy, and
+            # another rank would not answer better. The engine is told to stop at once.
+            broken = BadEngineResponse(f"the engine sent a reply that does not parse: {bad!r}")
+            if self._waiter is future:
+                self._waiter = None
+            self._messages.clear()
+            self._pending.clear()
+            self._end_with(broken)
+            if not future.done():
+                future.set_exception(broken)
             return True
         if message is not None:
             future.set_result(message)
@@ -323,11 +332,11 @@ class Call(H2Stream, Generic[T]):
         while size - at >= 5:
             compressed, length = _MESSAGE_HEAD.unpack_from(data, at)
             if compressed:
-                self.fail(Status.INTERNAL, "the engine sent a compressed message")
+                self._end_with(BadEngineResponse("the engine sent a compressed message"))
                 return
             if length > limit:
-                self.fail(
-                    Status.RESOURCE_EXHAUSTED, f"engine message of {length} bytes exceeds {limit}"
+                self._end_with(
+                    BadEngineResponse(f"engine message of {length} bytes exceeds {limit}")
                 )
                 return
             end = at + 5 + length

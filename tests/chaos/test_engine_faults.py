@@ -274,3 +274,23 @@ def live_batches(gw: Gateway, rank: int) -> float:
         if line.startswith("rankgate_kv_event_batches_total{") and f'rank="{rank}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_a_reply_that_does_not_parse_is_502_and_is_not_retried_elsewhere() -> None:
+    """An engine breaking the contract is no busy rank: the client gets 502
+    ``bad_engine_response`` at once, no other rank is asked, and nothing keeps running."""
+    with mock_engine(speed=0.0, dp_size=4) as handle, gateway(handle, policy="load") as gw:
+        handle.faults.garble_replies()
+        retries = gw.app.state.gateway.engine.retries
+        for streamed in (False, True):
+            before = handle.all_stats()
+            body = chat("parse me", max_tokens=6, stream=streamed)
+            response = gw.http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 502, response.text
+            assert response.json()["error"]["code"] == "bad_engine_response"
+            after = handle.all_stats()
+            received = sum(after[r].requests_received - before[r].requests_received for r in after)
+            assert received == 1
+        assert gw.app.state.gateway.engine.retries == retries
+        handle.faults.garble_replies(0)
+        assert_clean(handle, gw)

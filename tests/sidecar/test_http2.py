@@ -23,6 +23,7 @@ from rankgate.sidecar import http2
 from rankgate.sidecar.convert import merge_responses
 from rankgate.sidecar.endpoint import parse_endpoint
 from rankgate.sidecar.errors import (
+    BadEngineResponse,
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
@@ -226,7 +227,7 @@ async def test_message_size_limits() -> None:
     async with _grpc_server() as (server, _):
         small = InferenceClient(parse_endpoint(f"127.0.0.1:{server.port}"), 1000)
         try:
-            with pytest.raises(EngineOverloaded, match=r"engine message of .* exceeds 1000"):
+            with pytest.raises(BadEngineResponse, match=r"engine message of .* exceeds 1000"):
                 await small.Generate(_request(tokens=5000))
             with pytest.raises(EngineOverloaded, match=r"request of .* exceeds 1000"):
                 await small.Generate(_request(prompt=2000))
@@ -514,27 +515,39 @@ async def test_unary_reply_shapes() -> None:
             await client.Generate(_request("two"))
 
 
-async def test_reset_compressed_and_oversized_messages() -> None:
+async def test_replies_outside_the_contract_are_bad_engine_responses() -> None:
+    """A compressed, oversized or unparsable message is the engine breaking the contract, not
+    the engine being busy: BadEngineResponse (never EngineOverloaded, which other ranks would
+    be asked to retry), and the engine is told to stop the stream."""
+
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
         if rid == "compressed":
             peer.send(frames.DATA, 0, sid, b"\x01" + struct.pack(">L", 1) + b"z")
         elif rid == "huge":
             peer.send(frames.DATA, 0, sid, b"\x00" + struct.pack(">L", MAX_MESSAGE + 1) + b"z")
+        elif rid == "garbage":
+            junk = b"\xff" * 7
+            peer.send(frames.DATA, 0, sid, b"\x00" + struct.pack(">L", len(junk)) + junk)
         else:
             peer.send(
                 frames.RST_STREAM, 0, sid, struct.pack(">L", frames.ErrorCode.ENHANCE_YOUR_CALM)
             )
 
     async with _peer(script) as (peer, client):
-        code = await _code_of(client.GenerateStream(_request("compressed")))
-        assert code == (EngineFailure, "INTERNAL")
-        assert (await _code_of(client.GenerateStream(_request("huge"))))[0] is EngineOverloaded
+        for rid in ("compressed", "huge", "garbage"):
+            with pytest.raises(BadEngineResponse):
+                await _all(client.GenerateStream(_request(rid)))
+        with pytest.raises(BadEngineResponse, match="does not parse"):
+            await client.Generate(_request("garbage"))
         assert (await _code_of(client.GenerateStream(_request("calm"))))[0] is EngineOverloaded
-        await asyncio.sleep(0.05)
-        # We told the peer to stop streams 1 and 3 (CANCEL), never 5 (reset by the peer).
-        resets = [sid for kind, _, sid, _ in peer.received if kind == frames.RST_STREAM]
-        assert resets == [1, 3]
+        # We told the peer to stop streams 1 to 7 (CANCEL), never 9 (reset by the peer).
+        for _ in range(200):
+            resets = [sid for kind, _, sid, _ in peer.received if kind == frames.RST_STREAM]
+            if len(resets) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        assert resets == [1, 3, 5, 7]
 
 
 async def test_refused_streams_are_sent_again_a_bounded_number_of_times() -> None:
