@@ -142,6 +142,13 @@ TUNABLES: tuple[Tunable, ...] = (
         "ZMQ receive high-water mark of each KV-event subscriber, in messages",
         intake=True,
     ),
+    Tunable(
+        "--kv-max-batch-bytes",
+        "max_batch_bytes",
+        int,
+        "largest KV-event message taken in; a larger one drops the publisher's connection",
+        intake=True,
+    ),
 )
 
 

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 END_OF_REPLAY = b"\xff" * 8
 BIND_RETRY_S = 0.5
 SYNC_PROBE_S = 1.0
+RESTART_PAUSE_S = 0.1
+MAX_RESTART_PAUSE_S = 5.0
 
 _STORED_FIELDS = (
     "block_hashes",
@@ -70,10 +72,15 @@ class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
     coalesce: float = 0.005
     burst: int = 256
     receive_hwm: int = 100_000
+    # A batch larger than this is never taken in (vLLM's largest are a long prompt's blocks:
+    # well under a megabyte).
+    max_batch_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.replay_timeout <= 0:
             raise ValueError("replay_timeout must be positive")
+        if self.max_batch_bytes < 1024:
+            raise ValueError("max_batch_bytes must be at least 1024")
         if self.max_held_batches < 1:
             raise ValueError("max_held_batches must be at least 1")
         if not 0 <= self.coalesce <= 1:
@@ -153,6 +160,15 @@ class _Feed:
         self.probe_at = 0.0
         self.probing = False
 
+    def reset(self) -> None:
+        """Forget the sockets and sequence state, as at the start (the intake restarts)."""
+        self.sub = None
+        self.replay = None
+        self.expected = None
+        self.held.clear()
+        self.unbound = False
+        self.probing = False
+
 
 class KvEventIntake:
     """Subscribes to every rank's publisher and keeps ``index`` in step with the engine."""
@@ -222,65 +238,96 @@ class KvEventIntake:
     # --- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Serve until stopped. A fault that escapes serving (none should: every batch and
+        event is checked) does not end the intake: every rank's index is purged, since
+        events may be lost meanwhile, and the sockets are made anew after a pause that
+        doubles with each fault in a row."""
+        up = self._metrics.intake_up
+        pause = RESTART_PAUSE_S
         try:
-            for feed in self._feeds:
-                sub = self._context.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
-                sub.setsockopt(zmq.RECONNECT_IVL, 100)
-                sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-                sub.setsockopt(zmq.SUBSCRIBE, feed.source.topic.encode("utf-8"))
-                feed.sub = sub
-                self._open(feed)
-                self._watch(sub, feed)
-            assert self._wake is not None
-            self._poller.register(self._wake[0], zmq.POLLIN)
-            self._ready.set()
-            coalesce = self.settings.coalesce
-            turns = self._metrics.event_turns
             while not self._stop.is_set():
-                ready = self._poller.poll(self._poll_timeout_ms())
-                for sock, _ in ready:
-                    owner = self._by_socket.get(sock)
-                    if owner is None:
-                        continue
-                    if sock is owner.sub:
-                        self._drain_live(owner)
-                    else:
-                        self._drain_replay(owner)
-                now = time.monotonic()
+                up.set(1)
+                try:
+                    self._serve()
+                    return
+                except Exception:
+                    log.exception("KV-event intake failed; restarting it in %.1f s", pause)
+                up.set(0)
+                self._metrics.intake_restarts.inc()
+                self._close_sockets()
                 for feed in self._feeds:
-                    if feed.unbound and now >= feed.bind_at:
-                        self._open(feed)
-                    if feed.replay is not None and feed.probing and now > feed.replay_deadline:
-                        self._end_replay(feed)
-                        self._release_held(feed)
-                    elif feed.replay is not None and now > feed.replay_deadline:
-                        self._metrics.replays.labels(feed.label, "timeout").inc()
-                        self._end_replay(feed)
-                        self._purge(feed, "replay")
-                        feed.expected = None
-                        self._release_held(feed)
-                    if self._awaits_probe(feed) and now >= feed.probe_at:
-                        feed.probe_at = now + SYNC_PROBE_S
-                        self._begin_replay(feed, 0, probe=True)
-                turns.inc()
-                if ready and coalesce:
-                    # Batches published close together (one per rank per engine step) are
-                    # then drained in one turn: a wake-up of this thread costs more than
-                    # applying a small batch.
-                    self._stop.wait(coalesce)
-        except Exception:
-            log.exception("KV-event intake stopped on an unexpected error")
+                    self._purge(feed, "intake_restart")
+                    feed.reset()
+                if self._stop.wait(pause):
+                    return
+                pause = min(pause * 2, MAX_RESTART_PAUSE_S)
         finally:
-            for sub in list(self._by_socket):
-                sub.close(linger=0)
-            self._by_socket.clear()
+            up.set(0)
+            self._close_sockets()
             self._context.term()
             if self._wake is not None:
                 for end in self._wake:
                     end.close()
             self._ready.set()
+
+    def _close_sockets(self) -> None:
+        for sock in list(self._by_socket):
+            with contextlib.suppress(KeyError, zmq.ZMQError):
+                self._poller.unregister(sock)
+            sock.close(linger=0)
+        self._by_socket.clear()
+
+    def _serve(self) -> None:
+        for feed in self._feeds:
+            sub = self._context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
+            # A larger message (a batch no engine sends) drops the connection; ZMQ reconnects
+            # and the sequence gap that follows is replayed or purged like any other.
+            sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_batch_bytes)
+            sub.setsockopt(zmq.RECONNECT_IVL, 100)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sub.setsockopt(zmq.SUBSCRIBE, feed.source.topic.encode("utf-8"))
+            feed.sub = sub
+            self._open(feed)
+            self._watch(sub, feed)
+        assert self._wake is not None
+        self._poller.register(self._wake[0], zmq.POLLIN)
+        self._ready.set()
+        coalesce = self.settings.coalesce
+        turns = self._metrics.event_turns
+        while not self._stop.is_set():
+            ready = self._poller.poll(self._poll_timeout_ms())
+            for sock, _ in ready:
+                owner = self._by_socket.get(sock)
+                if owner is None:
+                    continue
+                if sock is owner.sub:
+                    self._drain_live(owner)
+                else:
+                    self._drain_replay(owner)
+            now = time.monotonic()
+            for feed in self._feeds:
+                if feed.unbound and now >= feed.bind_at:
+                    self._open(feed)
+                if feed.replay is not None and feed.probing and now > feed.replay_deadline:
+                    self._end_replay(feed)
+                    self._release_held(feed)
+                elif feed.replay is not None and now > feed.replay_deadline:
+                    self._metrics.replays.labels(feed.label, "timeout").inc()
+                    self._end_replay(feed)
+                    self._purge(feed, "replay")
+                    feed.expected = None
+                    self._release_held(feed)
+                if self._awaits_probe(feed) and now >= feed.probe_at:
+                    feed.probe_at = now + SYNC_PROBE_S
+                    self._begin_replay(feed, 0, probe=True)
+            turns.inc()
+            if ready and coalesce:
+                # Batches published close together (one per rank per engine step) are
+                # then drained in one turn: a wake-up of this thread costs more than
+                # applying a small batch.
+                self._stop.wait(coalesce)
 
     def _poll_timeout_ms(self) -> int | None:
         """Milliseconds to the nearest deadline of any feed; None (no limit) when none is set."""
@@ -459,7 +506,9 @@ class KvEventIntake:
         feed.expected = seq + 1
         try:
             ts, events = batch_events(self._decoder.decode(payload))
-        except (msgspec.DecodeError, MalformedBatch):
+        except Exception:
+            # Whatever the bytes are (nested past the decoder's depth, ext types, a map where
+            # an array belongs), a batch that cannot be read is counted and dropped.
             self._reject(feed, "batch")
             return
         if ts:
@@ -469,7 +518,7 @@ class KvEventIntake:
             try:
                 kind, fields = event_fields(event)
                 self._apply_event(feed, kind, fields)
-            except (MalformedBatch, TypeError, ValueError, KeyError):
+            except Exception:
                 self._reject(feed, "event")
         feed.batches += 1
         feed.batch_counters[origin].inc()

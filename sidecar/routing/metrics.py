@@ -229,6 +229,17 @@ class RoutingMetrics:
             ["rank", "reason"],
             registry=registry,
         )
+        self.intake_up = Gauge(
+            "rankgate_kv_intake_up",
+            "1 while the KV-event intake thread serves; 0 while it restarts after a fault (the "
+            "ranks' indexes are purged then, so routing falls back to load) or once stopped.",
+            registry=registry,
+        )
+        self.intake_restarts = Counter(
+            "rankgate_kv_intake_restarts",
+            "Times the KV-event intake restarted after an unexpected fault.",
+            registry=registry,
+        )
         self._view = _ViewCollector()
         registry.register(self._view)
 

@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from rankgate.sidecar.routing.events import IntakeSettings
 from rankgate.sidecar.routing.policy import RoutingConfig
-from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample
+from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample, until
 from tests.routing.publisher import cleared, removed, stored
 
 # No bridging predictions: each probe sees exactly what the events announced.
 PROBE = RoutingConfig(pending_ttl=0)
 
 P = list(range(1000, 1016))  # four blocks
+msgpack_encoder = msgspec.msgpack.Encoder()
 TAIL = [7]
 
 
@@ -284,3 +286,100 @@ async def test_an_idle_intake_sleeps_until_it_is_stopped(event_rig: RigFactory) 
     started = time.monotonic()
     await rig.intake_router.close()
     assert time.monotonic() - started < 0.5
+
+
+def _hostile_batches() -> list[bytes]:
+    """Payloads a publisher, or anyone who reaches the socket, could send: each well-framed,
+    none a usable EventBatch, and each of a shape that once could escape the decoder or the
+    per-event checks (nesting past the decoder's depth, ext types, wrong container types,
+    integers past 64 bits, unhashable ids)."""
+    encode = msgpack_encoder.encode
+    ext = msgspec.msgpack.Ext(5, b"x" * 8)
+    huge = (1 << 64) - 1
+    nested: object = []
+    for _ in range(200):
+        nested = [nested]
+    bad_events = [
+        {"type": "BlockStored", "block_hashes": [ext], "token_ids": P[:BLOCK], "block_size": BLOCK},
+        {"type": "BlockStored", "block_hashes": [[{"a": 1}]], "token_ids": P[:BLOCK]},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": {"a": 1}, "block_size": BLOCK},
+        {"type": "BlockStored", "block_hashes": [2], "token_ids": [huge] * BLOCK},
+        {"type": "BlockStored", "block_hashes": [3], "token_ids": [-(1 << 63)] * BLOCK},
+        {"type": "BlockStored", "block_hashes": [4], "parent_block_hash": {"x": 1}},
+        {"type": "BlockStored", "block_hashes": [5], "token_ids": P[:BLOCK], "extra_keys": nested},
+        {"type": "BlockStored", "block_hashes": [6], "token_ids": P[:BLOCK], "extra_keys": ext},
+        {"type": "BlockStored", "block_hashes": [7], "block_size": "16", "lora_name": 7},
+        {"type": "BlockStored", "block_hashes": "not a list", "medium": [1]},
+        {"type": "BlockRemoved", "block_hashes": [{"a": 1}], "medium": {"m": 1}},
+        {"type": "BlockRemoved", "block_hashes": 12},
+        {"type": ["BlockStored"]},
+        {"type": "AllBlocksCleared", "group_idx": [0]},
+        ext,
+        nested,
+        "BlockStored",
+        None,
+    ]
+    return [
+        b"\x91" * 100_000 + b"\x90",  # an array nested 100,000 deep
+        encode(ext),
+        encode([ext, ext]),
+        encode([huge, nested]),
+        encode({"ts": ext, "events": {"not": "a list"}}),
+        encode({"events": [[*["BlockStored"], *([nested] * 8)]]}),
+        encode([float("nan"), bad_events]),
+        b"\xdd\xff\xff\xff\xff",  # an array claiming 4 billion items, then nothing
+    ]
+
+
+async def test_no_batch_stops_the_intake(event_rig: RigFactory) -> None:
+    rig: EventRig = await event_rig(config=PROBE)
+    rank0 = rig.publishers[0]
+    hostile = _hostile_batches()
+    for number, payload in enumerate(hostile):
+        rank0.send_raw([b"kv", number.to_bytes(8, "big"), payload])
+    rank0.seq = len(hostile)
+    rank0.publish([stored([201, 202, 203, 204], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+
+    assert rig.route(P + TAIL) == (0, 16)
+    registry = rig.registry
+    rejected = sum(
+        sample(registry, "rankgate_kv_event_rejected_total", rank="0", reason=reason)
+        for reason in ("batch", "event", "event_type", "block_size", "unknown_parent")
+    )
+    assert rejected >= len(hostile)
+    assert sample(registry, "rankgate_kv_intake_restarts_total") == 0
+    assert sample(registry, "rankgate_kv_intake_up") == 1
+
+
+async def test_an_intake_that_fails_anyway_restarts_with_its_view_purged(
+    event_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig: EventRig = await event_rig(config=PROBE)
+    rank0 = rig.publishers[0]
+    rank0.publish([stored([211, 212, 213, 214], P, block_size=BLOCK)])
+    await rig.settle(0, 1)
+    assert rig.route(P + TAIL) == (0, 16)
+
+    intake = rig.intake_router.intake  # type: ignore[attr-defined]
+    serve_live = intake._drain_live
+    failures = [RuntimeError("a fault nobody foresaw")]
+
+    def failing(feed: object) -> None:
+        if failures:
+            raise failures.pop()
+        serve_live(feed)
+
+    monkeypatch.setattr(intake, "_drain_live", failing)
+    rank0.publish([stored([215], list(range(7000, 7016)), block_size=BLOCK)])
+    registry = rig.registry
+    await until(lambda: sample(registry, "rankgate_kv_intake_restarts_total") == 1)
+    # Events may have been lost while it was down: the rank's view is not trusted.
+    assert sample(registry, "rankgate_kv_event_purges_total", rank="0", reason="intake_restart")
+    assert rig.route(P + TAIL)[1] == 0
+    await until(lambda: sample(registry, "rankgate_kv_intake_up") == 1)
+    # Serving again: a restarted publisher's events are taken in as before.
+    await asyncio.to_thread(rank0.rebind)
+    rank0.publish([stored([216, 217, 218, 219], P, block_size=BLOCK)])
+    await until(lambda: rig.route(P + TAIL) == (0, 16))
+    assert intake.running
