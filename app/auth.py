@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer <key>`` on every ``/v1`` route, optionally on /metrics.
+"""API keys: ``Authorization: Bearer <key>`` on every ``/v1`` route, ``/tokenize`` and
+``/detokenize``, optionally on /metrics.
 
 With keys set, the API's description (``/openapi.json``, ``/docs``) needs one too unless
 ``--no-protect-docs`` opens it. Keys can come from ``RANKGATE_API_KEY`` or a file
@@ -31,6 +32,9 @@ from rankgate.app.errors import ApiError
 API_KEY_ENV = "RANKGATE_API_KEY"
 _BEARER = b"bearer "
 _TENANT = "rankgate_tenant"
+# vLLM serves these open; here they cost what generation's preparation costs, so they need a
+# key like /v1 does.
+_TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,7 @@ class ApiKeyAuth:
         return (
             path.startswith("/v1/")
             or path == "/v1"
+            or path in _TOKENIZER_PATHS
             or (self._metrics and path == "/metrics")
             or (self._docs and (path == "/openapi.json" or path.startswith("/docs")))
         )

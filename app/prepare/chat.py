@@ -337,11 +337,14 @@ class ChatPreparer:
             counts_known=counts_known,
         )
 
-    async def tokenize(self, req: ChatCompletionRequest, body_size: int = 0) -> tuple[int, ...]:
+    async def tokenize(
+        self, req: ChatCompletionRequest, body_size: int = 0, max_model_len: int | None = None
+    ) -> tuple[int, ...]:
         """The prompt token ids ``req`` is sent to the engine with (``/tokenize``), each
-        image placeholder expanded to the tokens the engine makes of that image."""
+        image placeholder expanded to the tokens the engine makes of that image; a text surely
+        longer than ``max_model_len`` tokens is refused before it is tokenized."""
         template = self._require_template()
-        ids, images = await self._render(req, template, body_size)
+        ids, images = await self._render(req, template, body_size, max_model_len)
         if not images:
             return ids
         media, positions = await self._images(ids, images)

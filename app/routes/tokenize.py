@@ -4,6 +4,11 @@ Tokenizing goes through the very code generation uses: a ``prompt`` is encoded a
 ``/v1/completions`` encodes it, ``messages`` are rendered and encoded by the chat preparer
 (images expanded to the tokens the engine makes of them), so a client can count a request's
 prompt tokens before sending it.
+
+Both are bounded as generation is: a text surely longer than the context window is refused
+without tokenizing it, a prompt or a token list longer than ``max_model_len`` tokens is a 400
+(vLLM counts any length; its generation would refuse it), and large bodies are worked on off
+the event loop. With API keys set, both need one (vLLM leaves them open).
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rankgate.app.errors import invalid, unsupported
+from rankgate.app.errors import ApiError, invalid, unsupported
 from rankgate.app.gateway import Gateway
 from rankgate.app.prepare.chat import OFFLOAD_BYTES
-from rankgate.app.prepare.params import check_token_ids
+from rankgate.app.prepare.params import check_token_ids, refuse_unfitting_text
 from rankgate.app.routes.common import body_size, decode_body, gateway_of
 from rankgate.app.schemas.openapi import json_response
 from rankgate.app.schemas.requests import ChatCompletionRequest
@@ -61,25 +66,44 @@ async def tokenize(request: Request) -> Response:
     req: TokenizeRequest = await decode_body(request, TOKENIZE_DECODER)
     if req.model is not None:
         await gateway.models.resolve(req.model)
-    ids = await _tokens(gateway, req, body_size(request))
-    strs = gateway.tokenizer.token_strings(ids) if req.return_token_strs else None
+    size = body_size(request)
+    max_model_len = gateway.engine.info.max_model_len
+    ids = await _tokens(gateway, req, size, max_model_len)
+    if len(ids) > max_model_len:
+        param = "prompt" if req.prompt is not None else "messages"
+        raise too_many_tokens(len(ids), max_model_len, param)
+    strs = None
+    if req.return_token_strs:
+        strings = gateway.tokenizer.token_strings
+        strs = await asyncio.to_thread(strings, ids) if size > OFFLOAD_BYTES else strings(ids)
     return _json(
         TokenizeResponse(
-            count=len(ids),
-            max_model_len=gateway.engine.info.max_model_len,
-            tokens=list(ids),
-            token_strs=strs,
+            count=len(ids), max_model_len=max_model_len, tokens=list(ids), token_strs=strs
         )
     )
 
 
-async def _tokens(gateway: Gateway, req: TokenizeRequest, size: int) -> tuple[int, ...]:
+def too_many_tokens(count: int, max_model_len: int, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, '{param}' "
+        f"has {count} tokens.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+async def _tokens(
+    gateway: Gateway, req: TokenizeRequest, size: int, max_model_len: int
+) -> tuple[int, ...]:
     for name, why in _REFUSED:
         if getattr(req, name) is not None:
             raise unsupported(name, why)
     if (req.prompt is None) == (req.messages is None):
         raise invalid("give exactly one of 'prompt' and 'messages'", "prompt")
     if req.prompt is not None:
+        if gateway.tokenizer.surely_exceeds(req.prompt, max_model_len):
+            raise refuse_unfitting_text(len(req.prompt), max_model_len, "prompt")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         if size > OFFLOAD_BYTES:
             encoded = await asyncio.to_thread(gateway.tokenizer.encode, req.prompt, add_special)
@@ -101,7 +125,7 @@ async def _tokens(gateway: Gateway, req: TokenizeRequest, size: int) -> tuple[in
         chat_template_kwargs=req.chat_template_kwargs,
         tools=req.tools,
     )
-    return await gateway.chat.tokenize(chat, size)
+    return await gateway.chat.tokenize(chat, size, max_model_len)
 
 
 @router.post(
@@ -123,6 +147,10 @@ async def detokenize(request: Request) -> Response:
     req = await decode_body(request, DETOKENIZE_DECODER)
     if req.model is not None:
         await gateway.models.resolve(req.model)
+
+    max_model_len = gateway.engine.info.max_model_len
+    if len(req.tokens) > max_model_len:
+        raise too_many_tokens(len(req.tokens), max_model_len, "tokens")
 
     def detokenized() -> str:
         check_token_ids(req.tokens, gateway.tokenizer.vocab_size, "tokens")

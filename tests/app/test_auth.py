@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,10 +62,16 @@ def bearer(key: str) -> dict[str, str]:
         ("GET", f"/v1/models/{SCRIPTED_MODEL}"),
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
     ],
 )
-def test_every_v1_route_needs_a_key(locked: httpx.Client, method: str, path: str) -> None:
-    body = CHAT if path.endswith("chat/completions") else {"model": SCRIPTED_MODEL, "prompt": "x"}
+def test_every_api_route_needs_a_key(locked: httpx.Client, method: str, path: str) -> None:
+    body: dict[str, Any] = {"model": SCRIPTED_MODEL, "prompt": "x"}
+    if path.endswith("chat/completions"):
+        body = CHAT
+    elif path == "/detokenize":
+        body = {"tokens": [5, 6]}
     kwargs = {"json": body} if method == "POST" else {}
     missing = locked.request(method, path, **kwargs)  # type: ignore[arg-type]
     assert missing.status_code == 401

@@ -96,3 +96,39 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(mock_http: httpx.Client) 
     response = mock_http.post("/detokenize", json={"tokens": [1, 10**9]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "tokens"
+
+
+def _max_model_len(http: httpx.Client) -> int:
+    response = http.post("/tokenize", json={"prompt": "hi"})
+    assert response.status_code == 200, response.text
+    value: int = response.json()["max_model_len"]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("path", "field"), [("/tokenize", "prompt"), ("/tokenize", "messages"), ("/detokenize", None)]
+)
+def test_more_tokens_than_the_context_holds_are_refused(
+    mock_http: httpx.Client, path: str, field: str | None
+) -> None:
+    """The limits generation has: a prompt or token list past ``max_model_len`` is a 400."""
+    limit = _max_model_len(mock_http)
+    words = " ".join(f"w{i}" for i in range(limit + 8))
+    bodies: dict[str | None, dict[str, Any]] = {
+        "prompt": {"prompt": words},
+        "messages": {"messages": [{"role": "user", "content": words}]},
+        None: {"tokens": [5] * (limit + 1)},
+    }
+    body = bodies[field]
+    response = mock_http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == (field or "tokens")
+
+
+def test_a_text_too_long_to_fit_is_refused_without_tokenizing(mock_http: httpx.Client) -> None:
+    text = "a" * 2_000_000
+    response = mock_http.post("/tokenize", json={"prompt": text})
+    assert response.status_code == 400
+    assert "characters" in response.json()["error"]["message"]
