@@ -6,11 +6,18 @@ keeps the human layout and appends the fields as ``key=value``. uvicorn's own lo
 through the same handler. The access log writes one record per OpenAI request when it ends:
 its id, endpoint, model, status, rank, token counts (cached tokens are the router's estimate
 of the prompt prefix the rank already held) and timings in milliseconds.
+
+A log line is one line, whatever a client put in the values it carries (a request id, a model
+or LoRA name, a header): both formats escape control characters (C0, DEL, C1), Unicode line
+separators and bidirectional overrides as backslash escapes, in the message and in every
+field, and the text format quotes a field value with spaces, quotes or ``=`` so that no value
+reads as another field.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
@@ -21,6 +28,28 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 ACCESS_LOGGER = "rankgate.access"
 _TEXT_LAYOUT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_NEEDS_QUOTES = re.compile(r'[\s"=]')
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(text: str) -> str:
+    """``text`` with every character that could end, forge or hide part of a line escaped."""
+    return text if _UNSAFE.search(text) is None else _UNSAFE.sub(_escape_char, text)
+
+
+def _safe_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, list | tuple):
+        return [_safe_value(v) for v in value]
+    return value
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any] | None:
@@ -35,11 +64,11 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "pid": record.process,
-            "msg": record.getMessage(),
+            "msg": safe_text(record.getMessage()),
         }
         fields = _fields(record)
         if fields:
-            payload.update(fields)
+            payload.update((key, _safe_value(value)) for key, value in fields.items())
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(payload, default=str).decode()
@@ -50,7 +79,7 @@ class TextFormatter(logging.Formatter):
         super().__init__(_TEXT_LAYOUT)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
+        line = safe_text(super().formatMessage(record))
         fields = _fields(record)
         if not fields:
             return line
@@ -61,8 +90,13 @@ def _text(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, list):
-        return ",".join("-" if v is None else str(v) for v in value)
-    return str(value)
+        text = ",".join("-" if v is None else str(v) for v in value)
+    else:
+        text = str(value)
+    text = safe_text(text)
+    if _NEEDS_QUOTES.search(text) is None:
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def configure_logging(level: str, log_format: str) -> None:

@@ -26,7 +26,13 @@ import msgspec
 from rankgate.sidecar.admission import Admission, Grant
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.convert import DeltaDecoder
-from rankgate.sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable, SidecarError
+from rankgate.sidecar.errors import (
+    BadEngineResponse,
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    SidecarError,
+)
 from rankgate.sidecar.http2 import Call
 from rankgate.sidecar.inference_client import GenerateRequest, GenerateResponse
 from rankgate.sidecar.lifecycle import Lifecycle, rank_metadata
@@ -111,6 +117,8 @@ class StreamBook:
         if isinstance(error, (EngineUnavailable, EngineFailure)):
             log.warning("request %s failed: %s", stream.request_id, error.message)
             self.lifecycle.nudge()
+        elif isinstance(error, BadEngineResponse):
+            log.warning("request %s: bad engine reply: %s", stream.request_id, error.message)
         return error
 
     def truncated(self, stream: EngineStream) -> EngineFailure:

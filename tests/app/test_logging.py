@@ -4,7 +4,9 @@ id, rank, tokens, cached tokens, timings and status; ids taken, checked, made an
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -216,3 +218,84 @@ def test_text_lines_carry_the_fields_as_key_values() -> None:
     record.fields = {"request_id": "r1", "rank": None, "ranks": [0, None], "status": 200}
     line = TextFormatter().format(record)
     assert line.endswith("INFO rankgate.access: request request_id=r1 rank=- ranks=0,- status=200")
+
+
+HOSTILE = "x\r\nFORGED level=error\x1b[2J\x00\x7f\x85\u2028\u202e end"
+# What no formatted record may contain: any control character but the line's own end.
+UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+class Everything(logging.Handler):
+    """Every record of every logger, kept to be formatted both ways."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_formatters_keep_every_record_on_one_safe_line() -> None:
+    record = logging.LogRecord(
+        "rankgate.sidecar", logging.WARNING, __file__, 1, "request %s: %s", (HOSTILE, 7), None
+    )
+    record.fields = {"request_id": HOSTILE, "model": 'a b="c"', "ranks": [HOSTILE, None]}
+    text = TextFormatter().format(record)
+    assert "\n" not in text
+    assert not UNSAFE.search(text)
+    assert "\\x0d\\x0aFORGED" in text
+    # No field value reads as a field of its own.
+    assert ' model="a b=\\"c\\""' in text
+    assert ' request_id="x\\\\x0d' in text
+    payload = orjson.loads(JsonFormatter().format(record))
+    for value in (payload["msg"], payload["request_id"], payload["ranks"][0]):
+        assert not UNSAFE.search(value)
+        assert "\\x1b[2J" in value
+
+
+def test_client_controlled_values_reach_logs_escaped(
+    mock_vllm: EngineUnderTest, http: httpx.Client, lines: Lines
+) -> None:
+    """Control characters sent through every field a client names things with, in both log
+    formats, at every level: no record renders them raw."""
+    catcher = Everything()
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(catcher)
+    root.setLevel(logging.DEBUG)
+    model = mock_vllm.served_model_name
+    try:
+        # An engine fault: the failure is logged with the engine request id, which a body's
+        # request_id names.
+        mock_vllm.mock.faults.garble_replies(1)
+        failed = http.post(
+            "/v1/completions",
+            json={"model": model, "prompt": "a", "max_tokens": 1, "request_id": HOSTILE},
+        )
+        assert failed.status_code == 502
+        for body in (
+            _chat(HOSTILE, "hi"),
+            _chat(model, "hi", request_id=HOSTILE, max_tokens=1),
+            {"model": model, "prompt": "a", "max_tokens": 1, "request_id": HOSTILE},
+            {"model": f"{model}:{HOSTILE}", "prompt": "a", "max_tokens": 1},
+            {"model": model, "prompt": "a", "max_tokens": 1, "user": HOSTILE},
+        ):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            http.post(path, json=body)
+        http.post("/v1/responses", json={"model": model, "input": "a", "request_id": HOSTILE})
+        http.get(f"/v1/responses/resp_{quote(HOSTILE)}")
+        http.get(f"/v1/models/{quote(HOSTILE)}")
+    finally:
+        mock_vllm.mock.faults.garble_replies(0)
+        root.removeHandler(catcher)
+        root.setLevel(level)
+    assert catcher.records
+    hostile_seen = False
+    for record in catcher.records:
+        for formatter in (TextFormatter(), JsonFormatter()):
+            line = formatter.format(record)
+            assert "\n" not in line or record.exc_info, line
+            assert not UNSAFE.search(line), line
+            hostile_seen |= "FORGED" in line and record.name.startswith("rankgate")
+    assert hostile_seen, "the hostile values reached no log line at all: the test saw nothing"
