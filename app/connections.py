@@ -13,8 +13,14 @@ those limits added where the bytes arrive:
   headers (slow uploads): 408, then the connection is closed; a connection that never sends
   a byte is closed silently;
 - an idle keep-alive connection is closed after ``keepalive_timeout`` (uvicorn's own timer);
-- a worker serves at most ``max_connections`` at once; one over the cap is answered 503 and
-  closed at once.
+- a worker holds at most ``max_connections`` at once. A connection past the cap takes the
+  place of the connection that has waited longest without a request in flight (an idle
+  keep-alive, a socket that never sent a byte, a head still trickling in), which is closed,
+  sparing only those younger than ``eviction_grace`` (their request may be on its way): a
+  flood of idle or slow sockets cannot lock anyone out. When every connection has a request
+  in flight, a few more (``reserve``) are let in for ``/health`` and ``/ready`` alone, so the
+  orchestrator's probes still answer under a full cap; anything else there, or past those, is
+  answered 503 and closed.
 
 The protocol also tells the app when a client leaves: every request's scope holds a
 :class:`DisconnectNotice` (under ``DISCONNECT_NOTICE``), fired when the connection is lost or
@@ -57,6 +63,16 @@ class ConnectionLimits:
     # Open connections per worker process.
     max_connections: int = 2048
 
+    @property
+    def eviction_grace(self) -> float:
+        """Seconds a connection without a request in flight is spared from eviction."""
+        return min(1.0, self.header_timeout / 4)
+
+    @property
+    def reserve(self) -> int:
+        """Connections past the cap let in for the health probes while every slot is busy."""
+        return max(4, self.max_connections // 64)
+
     def __post_init__(self) -> None:
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be at least 1024")
@@ -68,6 +84,9 @@ class ConnectionLimits:
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
 
+
+# What a connection let in past the cap may ask for.
+PROBE_PATHS = frozenset({b"/health", b"/ready"})
 
 # The scope key of a request's DisconnectNotice.
 DISCONNECT_NOTICE = "rankgate.disconnect"
@@ -96,6 +115,10 @@ def _client_left(cycle: Any) -> None:
 
 class _HeadTooLarge(Exception):
     pass
+
+
+class _ProbesOnly(Exception):
+    """A request other than a probe on a connection let in past the cap."""
 
 
 def _answer(status: int, message: str, code: str, default_headers: list[Any]) -> bytes:
@@ -127,25 +150,69 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._deadline = 0.0
         self._refused = False
+        # Since when this connection has waited without a request in flight.
+        self._waiting_since = 0.0
+        # Let in past the cap for the health probes only.
+        self._reserved = False
 
     # ---- connection --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        self._waiting_since = self.loop.time()
+        if len(self.connections) > self.limits.max_connections and not self._make_room():
             log.warning(
-                "refused a connection: %d open, the cap is %d per worker",
+                "refused a connection: %d open, every one with a request in flight; the cap "
+                "is %d per worker",
                 len(self.connections) - 1,
                 self.limits.max_connections,
             )
-            self._refuse(
-                503,
-                "The server has too many open connections; retry later.",
-                "too_many_connections",
-            )
+            self._refuse_busy()
             return
         self._deadline = self.loop.time() + self.limits.header_timeout
         self._ensure_sweeper()
+
+    def _make_room(self) -> bool:
+        """Close the connection waiting longest without a request in flight, or let this one
+        in for the probes; False when neither can be done."""
+        oldest: LimitedHttpToolsProtocol | None = None
+        reserved = 0
+        # A connection this fresh may have its request on the way, not yet read: it is spared.
+        spared = self._waiting_since - self.limits.eviction_grace
+        for other in self.connections:
+            if other is self or not isinstance(other, LimitedHttpToolsProtocol):
+                continue
+            reserved += other._reserved
+            since = other._waiting_since
+            if (
+                since <= spared
+                and other._idle()
+                and (oldest is None or since < oldest._waiting_since)
+            ):
+                oldest = other
+        if oldest is not None:
+            oldest._refused = True
+            oldest._deadline = 0.0
+            oldest.transport.close()
+            return True
+        if reserved < self.limits.reserve:
+            self._reserved = True
+            return True
+        return False
+
+    def _idle(self) -> bool:
+        cycle = self.cycle
+        return (
+            self._in_head
+            and not self._refused
+            and (cycle is None or cycle.response_complete)
+            and not self.transport.is_closing()
+        )
+
+    def _refuse_busy(self) -> None:
+        self._refuse(
+            503, "The server has too many open connections; retry later.", "too_many_connections"
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle
@@ -171,6 +238,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.parser.feed_data(data)
         except _HeadTooLarge:
             self._head_too_large()
+        except _ProbesOnly:
+            self._refuse_busy()
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
@@ -179,6 +248,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserCallbackError as exc:
             if isinstance(exc.__context__, _HeadTooLarge):
                 self._head_too_large()
+            elif isinstance(exc.__context__, _ProbesOnly):
+                self._refuse_busy()
             else:
                 raise
         except httptools.HttpParserError:
@@ -193,6 +264,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if len(self.headers) > self.limits.max_headers:
             raise _HeadTooLarge
+        if self._reserved and httptools.parse_url(self.url).path not in PROBE_PATHS:
+            raise _ProbesOnly
         self._in_head = False
         self._head_bytes = 0
         self._deadline = self.loop.time() + self.limits.body_timeout
@@ -213,8 +286,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         waiting = not self.pipeline
         super().on_response_complete()
+        if self._reserved:
+            # A probe's place past the cap is for one answer.
+            self.transport.close()
+            return
         if waiting and not self.transport.is_closing():
-            self._deadline = self.loop.time() + self.limits.header_timeout
+            self._waiting_since = self.loop.time()
+            self._deadline = self._waiting_since + self.limits.header_timeout
 
     # ---- refusals ----------------------------------------------------------------------
 

@@ -252,34 +252,73 @@ def test_a_stream_outlives_the_header_deadline(gateway: str, engine: ScriptedEng
         engine.outputs = ["Hello there."]
 
 
-def test_connections_past_the_cap_get_503_and_are_closed(gateway: str) -> None:
-    held: list[socket.socket] = []
+def _get(gateway: str, path: str) -> tuple[int, bytes, bool]:
+    sock = socket.create_connection(address(gateway))
     try:
-        held.extend(
-            socket.create_connection(address(gateway)) for _ in range(LIMITS.max_connections)
-        )
-        # The probe's and this test's connections count too: find the first refused one.
-        refused = None
-        for _ in range(4):
-            extra = socket.create_connection(address(gateway))
-            held.append(extra)
-            extra.settimeout(2)
-            try:
-                data = extra.recv(4096)
-            except TimeoutError:
-                continue
-            refused = data
-            break
-        assert refused is not None
-        assert refused.startswith(b"HTTP/1.1 503"), refused
-        assert b"too_many_connections" in refused
+        sock.sendall(b"GET %s HTTP/1.1\r\nhost: gateway\r\n\r\n" % path.encode())
+        return read_response(sock)
     finally:
-        for sock in held:
+        sock.close()
+
+
+def test_a_flood_of_idle_and_slow_sockets_locks_nobody_out(gateway: str) -> None:
+    """Each connection past the cap takes the place of the one that has waited longest
+    without a request: probes and requests get through, the flood's oldest sockets go."""
+    flood: list[socket.socket] = []
+    try:
+        for i in range(3 * LIMITS.max_connections):
+            sock = socket.create_connection(address(gateway))
+            if i % 2:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: ")  # trickling
+            flood.append(sock)
+        # Sockets younger than the grace are spared (their request may be in flight).
+        time.sleep(LIMITS.eviction_grace * 1.5)
+        for path in ("/health", "/ready"):
+            status, _, _ = _get(gateway, path)
+            assert status == 200
+        assert still_serving(gateway)
+        oldest = flood[0]
+        oldest.settimeout(5)
+        assert oldest.recv(4096) == b"", "the longest-waiting socket was closed for the newcomers"
+    finally:
+        for sock in flood:
             sock.close()
+
+
+def test_probes_answer_when_every_connection_is_busy(gateway: str, engine: ScriptedEngine) -> None:
+    """With a request in flight on every connection, the probes still get through (a few
+    places past the cap), and anything else there is 503 ``too_many_connections``."""
+    engine.delay = 0.2
+    engine.outputs = ["one two three four five six seven eight nine ten"]
+    body = orjson.loads(BODY)
+    body.update(stream=True, max_tokens=10)
+    busy: list[socket.socket] = []
+    try:
+        payload = orjson.dumps(body)
+        # Every place is taken by a stream that runs for a couple of seconds, each seen
+        # streaming before the next connects.
+        for _ in range(LIMITS.max_connections):
+            sock = socket.create_connection(address(gateway))
+            sock.sendall(head(length=len(payload)) + payload)
+            busy.append(sock)
+            sock.settimeout(10)
+            assert sock.recv(15).startswith(b"HTTP/1.1 200")
+        for path in ("/health", "/ready"):
+            status, _, closed = _get(gateway, path)
+            assert status == 200
+            assert closed, "a probe's place past the cap is for one answer"
+        sock = socket.create_connection(address(gateway))
+        busy.append(sock)
+        sock.sendall(head() + BODY)
+        status, answer, closed = read_response(sock)
+        assert (status, error_code(answer), closed) == (503, "too_many_connections", True)
+    finally:
+        for sock in busy:
+            sock.close()
+        engine.delay = 0.0
+        engine.outputs = ["Hello there."]
     time.sleep(0.3)
-    assert (
-        httpx.post(f"{gateway}/v1/chat/completions", content=BODY, headers=JSON).status_code == 200
-    )
+    assert still_serving(gateway)
 
 
 def test_bytes_that_are_not_http_get_a_json_400(gateway: str) -> None:
