@@ -16,10 +16,14 @@ channels; what they must agree on lives outside them:
 * the bundled mock engine (no ``--engine``), started once here so every worker routes to the
   same ranks.
 
-A worker that crashes is restarted, after its load row is zeroed (its requests died with it)
-and its live gauges are dropped; one that fails to start stops the whole gateway, since the
-next try would fail the same way. SIGTERM or SIGINT is passed on to every worker, which
-drains as a single gateway would.
+A worker that exits is restarted, after its load row is zeroed (its requests died with it)
+and its live gauges are dropped: at once the first time, then after a pause that doubles with
+each exit in a row (0.5 s up to 30 s), the count starting over once a worker has lived
+``STABLE_S``. Crashing workers thus never take down the ones that serve. The supervisor gives
+up only when no worker is alive and every one has failed ``GIVE_UP`` times in a row without
+a stable run (an engine that cannot be reached, a bad tokenizer), and says so with the last
+exit statuses. SIGTERM or SIGINT is passed on to every worker, which drains as a single
+gateway would.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
+from typing import Literal
 
 from rankgate.app.access_log import configure_logging
 from rankgate.app.demo import demo_engines
@@ -53,9 +58,14 @@ log = logging.getLogger(__name__)
 BACKLOG = 2048
 # Exit status of a worker whose startup failed (engine unreachable, bad tokenizer, ...).
 STARTUP_FAILED = 3
-# More restarts than this within RESTART_WINDOW_S means something is wrong beyond one crash.
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 60.0
+# A worker that lived this long ends its slot's run of failures.
+STABLE_S = 30.0
+# The pause before restarting a slot after its second exit in a row, doubling after each
+# further one, up to the most.
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+# Exits in a row, in every slot with none alive, after which no worker can serve.
+GIVE_UP = 5
 # How often the supervisor looks again at workers it has killed, until they are gone.
 POLL_S = 0.2
 # How long workers get to drain after SIGTERM before they are killed.
@@ -97,18 +107,46 @@ def worker_main(
 class _Slot:
     index: int
     process: BaseProcess | None = None
+    started: float = 0.0
+    # Exits in a row without a stable run, the last one's status, and when to start again.
+    failures: int = 0
+    last_status: int = 0
+    restart_at: float | None = None
+
+    def exited(self, status: int, now: float) -> float:
+        """Record an exit; the pause before the next start."""
+        if now - self.started >= STABLE_S:
+            self.failures = 0
+        self.failures += 1
+        self.last_status = status
+        if self.failures == 1:
+            return 0.0
+        return float(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.failures - 2)))
 
 
 class Supervisor:
-    def __init__(self, settings: GatewaySettings, sock: socket.socket, board: SharedLoadBoard):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        sock: socket.socket,
+        board: SharedLoadBoard,
+        target: Callable[[GatewaySettings, int, socket.socket, str], None] = worker_main,
+        start_method: Literal["spawn", "forkserver"] = "spawn",
+    ):
         self.settings = settings
         self.sock = sock
         self.board = board
         self.slots = [_Slot(i) for i in range(settings.workers)]
         self.stopping = False
         self.failed = False
-        self._restarts: deque[float] = deque(maxlen=MAX_RESTARTS)
-        self._context = multiprocessing.get_context("spawn")
+        self.restarts = 0
+        self._target = target
+        # Spawned: a worker starts from a clean interpreter, not a copy of this one's threads.
+        self._context: SpawnContext | ForkServerContext = (
+            multiprocessing.get_context("forkserver")
+            if start_method == "forkserver"
+            else multiprocessing.get_context("spawn")
+        )
         # The supervisor sleeps until a worker exits or stop() writes here; it never polls.
         self._wake, self._waker = socket.socketpair()
         self._wake.setblocking(False)
@@ -116,12 +154,14 @@ class Supervisor:
 
     def start(self, slot: _Slot) -> None:
         process = self._context.Process(
-            target=worker_main,
+            target=self._target,
             args=(self.settings, slot.index, self.sock, self.board.name),
             name=f"rankgate-worker-{slot.index}",
         )
         process.start()
         slot.process = process
+        slot.started = time.monotonic()
+        slot.restart_at = None
 
     def stop(self, *_: object) -> None:
         """Ask every worker to drain and exit (idempotent; safe in a signal handler)."""
@@ -146,18 +186,43 @@ class Supervisor:
         deadline: float | None = None
         while True:
             alive = 0
+            now = time.monotonic()
             for slot in self.slots:
                 process = slot.process
                 if process is None:
+                    if not self.stopping and slot.restart_at is not None and now >= slot.restart_at:
+                        self.restarts += 1
+                        self.start(slot)
+                        alive += 1
                     continue
                 if process.exitcode is None:
                     alive += 1
                     continue
                 code = self._reap(slot, process)
                 if not self.stopping:
-                    self._replace(slot, code)
-                    if slot.process is not None:
+                    pause = slot.exited(code, now)
+                    slot.restart_at = now + pause
+                    log.warning(
+                        "worker %d exited with status %d (%d in a row); starting a new one%s",
+                        slot.index,
+                        code,
+                        slot.failures,
+                        f" in {pause:g} s" if pause else "",
+                    )
+                    if pause == 0:
+                        self.restarts += 1
+                        self.start(slot)
                         alive += 1
+            if not self.stopping and alive == 0 and self._hopeless():
+                log.error(
+                    "no worker can serve: every one of the %d exited %d times in a row (last "
+                    "statuses %s); stopping the gateway",
+                    len(self.slots),
+                    GIVE_UP,
+                    ", ".join(str(slot.last_status) for slot in self.slots),
+                )
+                self.failed = True
+                self.stop()
             if self.stopping:
                 if alive == 0:
                     break
@@ -168,12 +233,18 @@ class Supervisor:
             self._sleep(deadline)
         return 1 if self.failed else 0
 
+    def _hopeless(self) -> bool:
+        return all(slot.process is None and slot.failures >= GIVE_UP for slot in self.slots)
+
     def _sleep(self, deadline: float | None) -> None:
-        """Until a worker exits, stop() is called, or the drain deadline (then every
-        ``POLL_S``) passes."""
+        """Until a worker exits, stop() is called, a restart falls due, or the drain deadline
+        (then every ``POLL_S``) passes."""
         waiting: list[int | socket.socket] = [self._wake]
         waiting += [slot.process.sentinel for slot in self.slots if slot.process is not None]
-        timeout = None if deadline is None else max(POLL_S, deadline - time.monotonic())
+        due = [] if self.stopping else [s.restart_at for s in self.slots if s.restart_at]
+        if deadline is not None:
+            due.append(max(deadline, time.monotonic() + POLL_S))
+        timeout = None if not due else max(0.0, min(due) - time.monotonic())
         if self._wake in wait(waiting, timeout):
             with contextlib.suppress(OSError):
                 while self._wake.recv(64):
@@ -192,26 +263,6 @@ class Supervisor:
             _mark_dead(process.pid)
         process.close()
         return code
-
-    def _replace(self, slot: _Slot, code: int) -> None:
-        if code == STARTUP_FAILED:
-            log.error("worker %d failed to start; stopping the gateway", slot.index)
-            self.failed = True
-            self.stop()
-            return
-        now = time.monotonic()
-        if len(self._restarts) == MAX_RESTARTS and now - self._restarts[0] < RESTART_WINDOW_S:
-            log.error(
-                "workers died %d times within %.0f s; stopping the gateway",
-                MAX_RESTARTS,
-                RESTART_WINDOW_S,
-            )
-            self.failed = True
-            self.stop()
-            return
-        self._restarts.append(now)
-        log.warning("worker %d exited with status %d; starting a new one", slot.index, code)
-        self.start(slot)
 
     def _kill_all(self) -> None:
         for slot in self.slots:

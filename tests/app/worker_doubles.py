@@ -1,0 +1,33 @@
+"""Worker processes for the supervisor's tests: what a real worker does at its exit, without
+serving anything (the spawned child imports this module by name)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+
+from rankgate.app.settings import GatewaySettings
+from rankgate.app.workers import STARTUP_FAILED
+
+
+def never_starts(settings: GatewaySettings, worker: int, sock: socket.socket, board: str) -> None:
+    sys.exit(STARTUP_FAILED)
+
+
+def second_keeps_crashing(
+    settings: GatewaySettings, worker: int, sock: socket.socket, board: str
+) -> None:
+    """Worker 0 serves until SIGTERM; worker 1 dies as soon as it starts."""
+    if worker == 1:
+        sys.exit(1)
+    stopped = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopped
+        stopped = True
+
+    signal.signal(signal.SIGTERM, stop)
+    while not stopped:
+        time.sleep(0.05)
