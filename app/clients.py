@@ -11,11 +11,15 @@ unwinds through the route, which drops the engine streams (vLLM aborts them) wit
 milliseconds, whether the request is queued for admission, waiting for its first token or
 streaming.
 
-A reader that stops reading fills the socket and the transport buffer (bounded by the
-transport's high-water mark), after which ``send`` blocks; the engine stream behind it is then
-held back by gRPC flow control. A stream whose ``send`` stays blocked for ``stall_timeout``
-is cut the same way, so one stuck reader cannot hold engine capacity forever. One shared
-sweeper checks the blocked sends; a stream costs a clock read per chunk.
+A reader that stops reading is cut ``stall_timeout`` after it stopped, the same way, so one
+stuck reader cannot hold engine capacity. Its stop is seen in the receive window its TCP
+advertises (:class:`~app.connections.PeerWindow`): every byte that arrives unread shrinks
+it, so a window that has stayed at least two of its units below its widest, and has not
+widened since, belongs to a reader that stopped then. Waiting instead for ``send`` to block
+would wait for the buffers on both sides to fill, megabytes, which at a stream's few
+kilobytes a second takes minutes; a blocked ``send`` still counts where the kernel does not
+tell the window. One shared sweeper looks at the streams a few times a second; a stream
+costs a clock read per chunk.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rankgate.app.connections import DISCONNECT_NOTICE, DisconnectNotice
+from rankgate.app.connections import (
+    DISCONNECT_NOTICE,
+    PEER_WINDOW,
+    DisconnectNotice,
+    PeerWindow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,9 @@ class _Cycle:
         "armed",
         "complete",
         "cut",
+        "deficit",
+        "held",
+        "holding_since",
         "notice",
         "owner",
         "since",
@@ -49,6 +61,8 @@ class _Cycle:
         "task",
         "tracked",
         "watcher",
+        "widest",
+        "window",
     )
 
     def __init__(
@@ -58,12 +72,20 @@ class _Cycle:
         receive: Receive,
         send: Send,
         notice: DisconnectNotice | None,
+        window: PeerWindow | None = None,
     ) -> None:
         self.owner = owner
         self.task = task
         self._receive = receive
         self._send = send
         self.notice = notice
+        self.window = window
+        # The widest window the client advertised, how far below it the window is now, and
+        # since when it has stayed two units or more below without widening (0: it has not).
+        self.widest = 0
+        self.deficit = 0
+        self.held = 0
+        self.holding_since = 0.0
         self.armed = False
         self.watcher: asyncio.Task[None] | None = None
         self.complete = False
@@ -112,6 +134,28 @@ class _Cycle:
         if not self.complete:
             self.cancel()
 
+    def unread_since(self, now: float) -> float:
+        """Since when the client has left what it was sent unread (0: it reads, or the
+        kernel does not tell)."""
+        window = self.window
+        sample = window.sample() if window is not None else None
+        if sample is None:
+            return 0.0
+        size, unit = sample
+        if size > self.widest:
+            self.widest = size
+        deficit = self.widest - size
+        if deficit < 2 * unit:
+            self.holding_since = 0.0
+        elif not self.holding_since or deficit <= self.deficit - unit:
+            # Two units unread, or the window widened (a read) but not all the way.
+            self.holding_since = now
+            self.held = deficit
+        self.deficit = deficit
+        # A window that stays narrow without narrowing further is a client that reads what
+        # arrives (its kernel keeps less room), not one that stopped: more must pile up.
+        return self.holding_since if deficit > self.held else 0.0
+
     def cancel(self) -> None:
         if not self.cut:
             self.cut = True
@@ -142,7 +186,9 @@ class ClientWatch:
             return
         task = asyncio.current_task()
         assert task is not None
-        cycle = _Cycle(self, task, receive, send, scope.get(DISCONNECT_NOTICE))
+        cycle = _Cycle(
+            self, task, receive, send, scope.get(DISCONNECT_NOTICE), scope.get(PEER_WINDOW)
+        )
         try:
             await self.app(scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:
@@ -172,8 +218,14 @@ class ClientWatch:
         try:
             while self._streams:
                 await asyncio.sleep(tick)
-                limit = monotonic() - self.stall_timeout
-                for cycle in [c for c in self._streams if c.since and c.since < limit]:
+                now = monotonic()
+                limit = now - self.stall_timeout
+                stalled = []
+                for cycle in self._streams:
+                    unread = cycle.unread_since(now)
+                    if (cycle.since and cycle.since < limit) or (unread and unread < limit):
+                        stalled.append(cycle)
+                for cycle in stalled:
                     cycle.stalled = True
                     cycle.cancel()
                     self._streams.discard(cycle)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -47,6 +49,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from rankgate.app.errors import ApiError
 
 log = logging.getLogger(__name__)
+_U32 = struct.Struct("=I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,35 @@ PROBE_PATHS = frozenset({b"/health", b"/ready"})
 
 # The scope key of a request's DisconnectNotice.
 DISCONNECT_NOTICE = "rankgate.disconnect"
+# The scope key of the connection's PeerWindow.
+PEER_WINDOW = "rankgate.peer_window"
+_TCP_INFO_LEN = 232
+
+
+class PeerWindow:
+    """The receive window the client's TCP last advertised, read from Linux's ``TCP_INFO``.
+
+    A client whose application reads keeps its window open; one that stopped reading lets
+    every byte that arrives shrink it, long before the buffers on either side fill (megabytes,
+    at a stream's few kilobytes a second: minutes). ``sample`` gives the window and its
+    granularity (the client's window scale), or None where the kernel does not tell.
+    """
+
+    __slots__ = ("_sock",)
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+
+    def sample(self) -> tuple[int, int] | None:
+        try:
+            info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except (OSError, AttributeError):
+            return None
+        if len(info) < _TCP_INFO_LEN:
+            return None
+        # tcpi_snd_wnd, and tcpi_snd_wscale (the low half of the seventh byte).
+        window: int = _U32.unpack_from(info, 228)[0]
+        return window, 1 << (info[6] & 0x0F)
 
 
 class DisconnectNotice:
@@ -154,12 +186,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._waiting_since = 0.0
         # Let in past the cap for the health probes only.
         self._reserved = False
+        self._window: PeerWindow | None = None
 
     # ---- connection --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._waiting_since = self.loop.time()
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self._window = PeerWindow(sock)
         if len(self.connections) > self.limits.max_connections and not self._make_room():
             log.warning(
                 "refused a connection: %d open, every one with a request in flight; the cap "
@@ -270,6 +306,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._deadline = self.loop.time() + self.limits.body_timeout
         self.scope[DISCONNECT_NOTICE] = DisconnectNotice()  # type: ignore[literal-required]
+        if self._window is not None:
+            self.scope[PEER_WINDOW] = self._window  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

@@ -4,6 +4,7 @@ clients keep being served."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -105,4 +106,37 @@ def test_a_reader_that_stops_is_cut_and_does_not_slow_the_others() -> None:
             served += 1
         assert served >= 1
         stuck.close()
+        assert_clean(handle, gw)
+
+
+def test_a_reader_that_stops_is_cut_before_the_buffers_fill() -> None:
+    """A stream at a slow model's pace (a few kilobytes a second) whose client stops reading
+    is cut once the stall timeout has passed since it stopped, while its receive buffer still
+    has most of its room: the gateway's sends never blocked, so only the client's shrinking
+    TCP window could have told. A client that reads on is not cut."""
+    room = 1 << 20
+    with (
+        mock_engine(speed=0.2) as handle,
+        gateway(handle, stream_stall_timeout=1.0) as gw,
+    ):
+        before = aborts(handle)
+        steady = raw_stream_request(gw.port, chat("a steady reader", max_tokens=60))
+        stuck = raw_stream_request(gw.port, chat("a reader that stops", max_tokens=20000), room)
+        read_events(stuck, 2)
+        steady.settimeout(60)
+        received = b""
+        while b"data: [DONE]" not in received:
+            chunk = steady.recv(65536)
+            assert chunk, "the steady reader's stream was cut"
+            received += chunk
+        eventually(lambda: aborts(handle) > before, 30, "the stopped reader was cut")
+        stuck.setblocking(False)
+        held = 0
+        with contextlib.suppress(BlockingIOError):
+            while chunk := stuck.recv(1 << 20):
+                held += len(chunk)
+        # Its window (half its buffer) would have had to close for a send to block.
+        assert held < room // 8, f"cut only after {held} bytes piled up unread"
+        stuck.close()
+        steady.close()
         assert_clean(handle, gw)
