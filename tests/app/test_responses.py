@@ -318,3 +318,28 @@ def test_non_streaming_client_disconnect_drops_the_engine_stream(
         time.sleep(0.01)
     # 300 tokens at 10 ms each take 3 s: only dropping the stream ends it this soon.
     assert scripted.closed == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_nested_past_any_depth_is_text_not_an_error(
+    scripted: ScriptedEngine, scripted_http: httpx.Client, stream: bool
+) -> None:
+    """The model's JSON, however deep, ends as a call that does not parse ends: the text
+    comes back as content, with 200, never a 500."""
+    deep = '{"name": "get_weather", "arguments": ' + "[" * 3000
+    scripted.outputs = [f"<think>ok</think><tool_call>\n{deep}\n</tool_call>"]
+    body = {"model": SCRIPTED_MODEL, "messages": USER, "tools": TOOLS, "stream": stream}
+    response = scripted_http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text[:300]
+    if stream:
+        chunks = [c for c in _sse(response) if c != "[DONE]"]
+        assert not any("error" in c for c in chunks)
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+        calls = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+    else:
+        message = response.json()["choices"][0]["message"]
+        text, calls = message["content"] or "", message.get("tool_calls") or []
+    assert not calls
+    assert "[[[[" in text

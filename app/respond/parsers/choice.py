@@ -9,7 +9,6 @@ always adds up to the non-streamed one, which is vLLM's non-streamed answer.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rankgate.app.respond.parsers.text import dumps, first_of, partial_suffix
+from rankgate.app.respond.parsers.text import dumps, first_of, loads, partial_suffix
 from rankgate.app.respond.parsers.types import (
     ReasoningSplitter,
     ToolCall,
@@ -238,7 +237,7 @@ def required_calls(text: str) -> list[ToolCall]:
     """vLLM's reading of a ``tool_choice: required`` output: a JSON list of function
     definitions, or no calls at all."""
     try:
-        value = json.loads(text)
+        value = loads(text)
     except ValueError:
         return []
     if not isinstance(value, list):

@@ -26,7 +26,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from rankgate.app.respond.parsers.text import partial_suffix
+from rankgate.app.respond.parsers.text import loads, partial_suffix
 from rankgate.app.respond.parsers.types import ToolCall
 
 _BUILTIN = frozenset({"python", "browser", "container"})
@@ -73,7 +73,7 @@ def _arguments(text: str, content_type: str | None) -> str:
     if content_type is not None and "json" not in content_type:
         return text
     try:
-        return json.dumps(json.loads(text))
+        return json.dumps(loads(text))
     except ValueError:
         return text
 

@@ -169,10 +169,56 @@ class DeepSeek:
         return Extracted(content if content.strip() else None, calls, called=True)
 
 
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    r"""What ``re.compile(open + r"([\s\S]*?)" + close)`` finds (after an optional ``lead``
+    word and whitespace), found in one pass: the regex would scan to the end from each
+    opener that has no closer, time that grows with the square of the output."""
+
+    opener: str
+    closer: str
+    lead: str = ""
+    # The regex's ``\s*`` after the opener (and lead).
+    skip_space: bool = False
+
+    def spans(self, text: str) -> list[tuple[int, int, int, int]]:
+        """(match start, match end, body start, body end) of each block, in order."""
+        found = []
+        at = text.find(self.opener)
+        while at >= 0:
+            body = at + len(self.opener)
+            if self.lead and text.startswith(self.lead, body):
+                body += len(self.lead)
+            while self.skip_space and body < len(text) and text[body].isspace():
+                body += 1
+            if self.closer:
+                end = text.find(self.closer, body)
+                if end < 0:
+                    break
+                stop = end + len(self.closer)
+            else:
+                end = text.find("\n", body)
+                end = stop = len(text) if end < 0 else end
+            found.append((at, stop, body, end))
+            at = text.find(self.opener, stop)
+        return found
+
+    def findall(self, text: str) -> list[str]:
+        return [text[body:end] for _, _, body, end in self.spans(text)]
+
+    def sub(self, text: str) -> str:
+        kept, last = [], 0
+        for start, stop, _, _ in self.spans(text):
+            kept.append(text[last:start])
+            last = stop
+        kept.append(text[last:])
+        return "".join(kept)
+
+
 _XLAM_BLOCKS = (
-    re.compile(r"```(?:json)?\s*([\s\S]*?)```"),
-    re.compile(r"\[TOOL_CALLS\]([\s\S]*?)(?=\n|$)"),
-    re.compile(r"<tool_call>([\s\S]*?)</tool_call>"),
+    _Blocks("```", "```", lead="json", skip_space=True),
+    _Blocks("[TOOL_CALLS]", ""),
+    _Blocks("<tool_call>", "</tool_call>"),
 )
 _XLAM_AFTER_THINK = re.compile(r"</think>([\s\S]*)")
 
@@ -217,7 +263,7 @@ class Xlam:
         for pattern in _XLAM_BLOCKS:
             for block in pattern.findall(text):
                 if _parses(block):
-                    return pattern.sub("", text).strip(), block
+                    return pattern.sub(text).strip(), block
         looks_like_calls = "{" in text and "name" in text and "arguments" in text
         if text.strip().startswith("[") and (_parses(text) or looks_like_calls):
             return None, text
@@ -242,9 +288,6 @@ class Xlam:
                 return Extracted(text)
             calls.append(ToolCall(name, dumps(args) if isinstance(args, dict) else args))
         return Extracted(content, calls)
-
-
-_MISTRAL_ARRAY = re.compile(r"\[{.*}\]", re.S)
 
 
 def _mistral_calls(parsed: Any) -> list[ToolCall]:
@@ -303,10 +346,12 @@ class MistralJson:
         try:
             parsed, _ = raw_decode(payload)
         except ValueError:
-            found = _MISTRAL_ARRAY.findall(payload)
-            if found:
+            # What the regex ``\[{.*}\]`` (dot-all) matches first: from the first "[{" to
+            # the last "}]", found without its backtracking from every "[{".
+            start, end = payload.find("[{"), payload.rfind("}]")
+            if start >= 0 and end >= start + 2:
                 try:
-                    parsed = loads(found[0])
+                    parsed = loads(payload[start : end + 2])
                 except ValueError:
                     parsed = None
         calls = _mistral_calls(parsed)

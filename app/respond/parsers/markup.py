@@ -8,12 +8,11 @@ whole-output result matches vLLM's.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rankgate.app.respond.parsers.text import dumps, raw_decode, typed_arguments
+from rankgate.app.respond.parsers.text import dumps, loads, raw_decode, typed_arguments
 from rankgate.app.respond.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
 
 # States.
@@ -196,7 +195,7 @@ def _args_of(raw: str) -> tuple[str, str]:
     """(name, arguments) from a call body that is itself a JSON object."""
     raw = raw.strip()
     try:
-        parsed = json.loads(raw)
+        parsed = loads(raw)
     except ValueError:
         return "", raw
     if not isinstance(parsed, dict):

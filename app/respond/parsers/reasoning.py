@@ -24,21 +24,29 @@ class PrefixThink:
     text is held; after it, reasoning streams.
     """
 
-    __slots__ = ("_buf", "_state")
+    __slots__ = ("_buf", "_held", "_state")
 
     def __init__(self) -> None:
         self._state = "pre"  # "pre" (no <think> yet), "in", "out"
         self._buf = ""
+        # Before a <think>: everything held, in pieces (joined once, when it is needed).
+        self._held: list[str] = []
 
     def feed(self, text: str) -> tuple[str, str]:
-        buf = self._buf + text
         if self._state == "pre":
-            at = buf.find(THINK)
+            # Only the end of what is held can start a <think> that this text completes.
+            tail = self._buf
+            probe = tail + text
+            at = probe.find(THINK)
             if at < 0:
-                self._buf = buf
+                self._held.append(text)
+                self._buf = probe[-(len(THINK) - 1) :]
                 return "", ""
             self._state = "in"
-            buf = buf[at + len(THINK) :]
+            self._held = []
+            buf = probe[at + len(THINK) :]
+        else:
+            buf = self._buf + text
         if self._state == "out":
             self._buf = ""
             return "", buf
@@ -57,6 +65,7 @@ class PrefixThink:
             return "", buf
         if self._state == "in":
             return buf, ""
+        buf, self._held = "".join(self._held), []
         reasoning, found, content = buf.partition(END_THINK)
         return (reasoning, content) if found else (buf, "")
 
@@ -90,34 +99,51 @@ class EndThink:
 
 _GRANITE_THOUGHT = re.compile(r"(?:Here's|Here is) my thought process:")
 _GRANITE_RESPONSE = re.compile(r"(?:Here's|Here is) my response:")
+# Longer than either phrase.
+_PHRASE = 32
 
 
 class GraniteThought:
     """``granite``: "Here is my thought process: ... Here is my response: ..."; an output
-    without both phrases is all answer, so nothing is released before the second one."""
+    without both phrases is all answer, so nothing is released before the second one.
 
-    __slots__ = ("_buf", "_out")
+    What is held is kept in pieces and each phrase looked for only where new text could have
+    completed it, so a long output without the phrases costs time in proportion to it."""
+
+    __slots__ = ("_out", "_pieces", "_size", "_tail", "_thought_end")
 
     def __init__(self) -> None:
-        self._buf = ""
         self._out = False
+        self._pieces: list[str] = []
+        self._size = 0
+        self._tail = ""
+        # Where the thought phrase ends in the whole output, once found.
+        self._thought_end = -1
 
     def feed(self, text: str) -> tuple[str, str]:
         if self._out:
             return "", text
-        self._buf += text
-        thought = _GRANITE_THOUGHT.search(self._buf)
-        if thought is None:
-            return "", ""
-        response = _GRANITE_RESPONSE.search(self._buf, thought.end())
+        window = self._tail + text
+        base = self._size - len(self._tail)
+        self._pieces.append(text)
+        self._size += len(text)
+        self._tail = window[-_PHRASE:]
+        if self._thought_end < 0:
+            thought = _GRANITE_THOUGHT.search(window)
+            if thought is None:
+                return "", ""
+            self._thought_end = base + thought.end()
+        response = _GRANITE_RESPONSE.search(window, max(0, self._thought_end - base))
         if response is None:
             return "", ""
         self._out = True
-        buf, self._buf = self._buf, ""
-        return buf[thought.end() : response.start()], buf[response.end() :]
+        buf = "".join(self._pieces)
+        self._pieces = []
+        return buf[self._thought_end : base + response.start()], buf[base + response.end() :]
 
     def finish(self) -> tuple[str, str]:
-        buf, self._buf = self._buf, ""
+        buf = "".join(self._pieces)
+        self._pieces = []
         return "", buf
 
 

@@ -6,6 +6,7 @@ it accepts (``NaN``, big integers, the last of duplicate keys) decides what coun
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -15,14 +16,21 @@ _JSON_WS = " \t\n\r"
 
 
 def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for size in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:size]):
-                best = size
-                break
-    return best
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``.
+
+    A set lookup per candidate length, so the cost does not grow with the number of tags
+    (harmony's vocabulary has over a thousand special tokens)."""
+    prefixes, longest = _prefixes(tags)
+    for size in range(min(longest, len(text)), 0, -1):
+        if text[-size:] in prefixes:
+            return size
+    return 0
+
+
+@functools.lru_cache(maxsize=64)
+def _prefixes(tags: tuple[str, ...]) -> tuple[frozenset[str], int]:
+    found = frozenset(tag[:size] for tag in tags for size in range(1, len(tag)))
+    return found, max((len(p) for p in found), default=0)
 
 
 def first_of(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
@@ -39,23 +47,59 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+# Deeper JSON is no call: the decoder would run out of stack a little further down, and
+# whatever handles the value next (re-encoding, checks) must not.
+MAX_DEPTH = 256
+
+
 def loads(text: str) -> Any:
-    """``json.loads``; raises ``ValueError`` on bad input."""
-    return json.loads(text)
+    """``json.loads``; raises ``ValueError`` on bad input, nesting past ``MAX_DEPTH``
+    included, however deep."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    _check_depth(value)
+    return value
 
 
 def raw_decode(text: str, start: int = 0) -> tuple[Any, int]:
-    """The first JSON value at ``start`` (no leading whitespace allowed) and where it ends."""
-    return _DECODER.raw_decode(text, start)
+    """The first JSON value at ``start`` (no leading whitespace allowed) and where it ends;
+    ``ValueError`` as :func:`loads` raises it."""
+    try:
+        value, end = _DECODER.raw_decode(text, start)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    _check_depth(value)
+    return value, end
+
+
+def _check_depth(value: Any) -> None:
+    level: list[Any] = [value]
+    for _ in range(MAX_DEPTH):
+        level = [
+            child
+            for item in level
+            if isinstance(item, dict | list)
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return
+    raise ValueError("JSON nested too deeply")
 
 
 def finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(finite(v) for v in value.values())
-    if isinstance(value, list):
-        return all(finite(v) for v in value)
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
     return True
 
 
@@ -156,13 +200,13 @@ def coerce_text(value: str, types: set[str]) -> Any:
                 return False
         else:
             try:
-                parsed = json.loads(value)
+                parsed = loads(value)
             except ValueError:
                 continue
             if finite(parsed):
                 return parsed
     try:
-        parsed = json.loads(value)
+        parsed = loads(value)
     except ValueError:
         return value
     return parsed if finite(parsed) else value
@@ -214,7 +258,7 @@ def typed_arguments(arguments: str, schema: dict[str, object] | None) -> str:
     if not isinstance(properties, dict) or not properties:
         return arguments
     try:
-        args = json.loads(arguments)
+        args = loads(arguments)
     except ValueError:
         return arguments
     if not isinstance(args, dict):
