@@ -1,0 +1,483 @@
+"""Routing under production-shaped traffic: skewed prefixes, open-loop arrivals, KV pressure.
+
+Each configuration (DP size, load) runs every target on a fresh mock engine (its own process:
+per-rank scheduling, chunked prefill, a bounded prefix cache with LRU eviction, preemption),
+in interleaved rounds so that the machine's drift falls on all of them alike:
+
+- ``rankgate kv`` (and any other ``--policy``), Rankgate's own routers;
+- ``vllm-router kv_aware``, fed by the same KV events, and ``round_robin`` as the floor.
+
+The workload, the same for every target of a configuration (one seed):
+
+- sessions arrive as a Poisson process; each opens with one of ``--prompts`` long system prompts,
+  drawn with Zipf skew ``--zipf`` (1.3 over 64 prompts gives the most popular about a third of
+  the sessions), then a user message of its own;
+- a session runs a geometric number of turns (mean ``--turns``), as agents do: every turn waits
+  for the previous answer and a pause, then resends the whole history plus a new message, so
+  contexts grow;
+- ``--long`` draws system prompts of 8k-32k tokens instead of 1k-3k;
+- each rank's KV cache (``--kv-blocks``) is smaller than the working set, so evictions matter.
+
+The load is relative to the engine's capacity under round robin: ``--calibrate-seconds`` of a
+closed loop through ``round_robin`` measure the session rate it sustains, and ``--load 0.7``
+offers 70% of it. Printed per target: TTFT mean, p50 and p99 and mean end-to-end latency at the
+client, completed requests per second, the engine's own prefix-cache hit rate, and the busiest
+rank's share of the prefill work (uncached prompt tokens) and of the requests, as a multiple of
+a fair share (1.00 = even).
+
+    scripts/in-netns .venv/bin/python bench/production_routing.py --dp 4 8 16 --load 0.7 0.9 \
+        [--rounds 2] [--seconds 40] [--long] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import dataclasses
+import functools
+import itertools
+import math
+import multiprocessing
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import httpx
+import peers
+
+from rankgate.mocker.config import MockEngineConfig
+from tests.support.ports import free_port, free_port_range
+
+VOCAB = (100, 3000)
+BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    prompts: int = 64
+    zipf: float = 1.3
+    system_tokens: tuple[int, int] = (1024, 3072)
+    user_tokens: tuple[int, int] = (64, 256)
+    output_tokens: tuple[int, int] = (16, 48)
+    turns: float = 3.0
+    think_seconds: float = 0.5
+    seed: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    start: float
+    system: int
+    # Per turn: the new user message and the stand-in for the model's previous answer.
+    messages: tuple[tuple[int, ...], ...]
+    answers: tuple[tuple[int, ...], ...]
+    pauses: tuple[float, ...]
+    outputs: tuple[int, ...]
+
+
+def _tokens(rng: random.Random, count: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(*VOCAB) for _ in range(count))
+
+
+def system_prompts(shape: Shape) -> list[tuple[int, ...]]:
+    rng = random.Random(shape.seed)
+    return [_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.prompts)]
+
+
+def zipf_table(shape: Shape) -> list[float]:
+    weights = [1.0 / (i + 1) ** shape.zipf for i in range(shape.prompts)]
+    total = sum(weights)
+    return list(itertools.accumulate(w / total for w in weights))
+
+
+def one_session(
+    shape: Shape, rng: random.Random, cumulative: Sequence[float], at: float
+) -> Session:
+    turns = 1
+    while rng.random() > 1.0 / shape.turns:
+        turns += 1
+    return Session(
+        start=at,
+        system=min(bisect.bisect_left(cumulative, rng.random()), shape.prompts - 1),
+        messages=tuple(_tokens(rng, rng.randint(*shape.user_tokens)) for _ in range(turns)),
+        answers=tuple(_tokens(rng, rng.randint(*shape.output_tokens)) for _ in range(turns)),
+        pauses=tuple(rng.expovariate(1.0 / shape.think_seconds) for _ in range(turns)),
+        outputs=tuple(rng.randint(*shape.output_tokens) for _ in range(turns)),
+    )
+
+
+def sessions(shape: Shape, rate: float, seconds: float, seed: int) -> list[Session]:
+    """The sessions starting in ``seconds`` at ``rate`` a second; the same for every target."""
+    rng = random.Random(seed)
+    cumulative = zipf_table(shape)
+    out: list[Session] = []
+    at = rng.expovariate(rate)
+    while at < seconds:
+        out.append(one_session(shape, rng, cumulative, at))
+        at += rng.expovariate(rate)
+    return out
+
+
+# The engine runs in a process of its own, so that the load generator's work does not slow
+# its scheduler; it answers "stats" with every rank's counters.
+
+
+def _engine_process(config: MockEngineConfig, conn: Connection) -> None:
+    from rankgate.mocker.testing import running_mock_engine
+
+    with running_mock_engine(config) as handle:
+        conn.send("ready")
+        while (command := conn.recv()) != "stop":
+            assert command == "stats"
+            conn.send(
+                {
+                    rank: (s.prompt_tokens, s.cached_tokens, s.requests_received, s.preemptions)
+                    for rank, s in handle.all_stats().items()
+                }
+            )
+    conn.send("stopped")
+
+
+class EngineProcess:
+    def __init__(self, config: MockEngineConfig) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(target=_engine_process, args=(config, child), daemon=True)
+        self._proc.start()
+        if not self._conn.poll(60) or self._conn.recv() != "ready":
+            raise RuntimeError("the mock engine did not start")
+
+    def stats(self) -> dict[int, tuple[int, int, int, int]]:
+        self._conn.send("stats")
+        stats: dict[int, tuple[int, int, int, int]] = self._conn.recv()
+        return stats
+
+    def stop(self) -> None:
+        self._conn.send("stop")
+        self._conn.poll(30)
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+@contextmanager
+def mock_engine(
+    args: argparse.Namespace, dp: int, model_dir: Path
+) -> Iterator[tuple[peers.Engine, EngineProcess]]:
+    config = MockEngineConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        dp_size=dp,
+        block_size=BLOCK,
+        model="bench-llm",
+        model_id=str(model_dir),
+        tokenizer=str(model_dir),
+        total_kv_blocks=args.kv_blocks * dp,
+        max_running_requests=args.max_running,
+        max_model_len=65536 if args.long else 16384,
+        kv_events_port=free_port_range(dp),
+        kv_replay_port=free_port_range(dp),
+        speed=args.speed,
+        eos_probability=0.0,
+    )
+    engine = EngineProcess(config)
+    try:
+        target = f"127.0.0.1:{config.port}"
+        yield (
+            peers.Engine(target, dp, BLOCK, config.model, model_dir, config.kv_events_port),
+            engine,
+        )
+    finally:
+        engine.stop()
+
+
+@dataclasses.dataclass
+class Outcome:
+    target: str
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    latencies: list[float] = dataclasses.field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+    prompt: int = 0
+    cached: int = 0
+    # Per pass: the busiest rank's prefill work and requests over a fair share.
+    work_share: list[float] = dataclasses.field(default_factory=list)
+    request_share: list[float] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+
+    def absorb(self, other: Outcome) -> None:
+        self.ttfts += other.ttfts
+        self.latencies += other.latencies
+        self.errors += other.errors
+        self.seconds += other.seconds
+        self.prompt += other.prompt
+        self.cached += other.cached
+        self.work_share += other.work_share
+        self.request_share += other.request_share
+        self.preemptions += other.preemptions
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else math.nan
+
+
+async def _turn(
+    http: httpx.AsyncClient, model: str, prompt: Sequence[int], out: int, outcome: Outcome
+) -> None:
+    body = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": out,
+        "min_tokens": out,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    first = 0.0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                outcome.errors += 1
+                return
+            async for line in response.aiter_lines():
+                if not first and line.startswith("data: {"):
+                    first = time.perf_counter() - started
+    except httpx.HTTPError:
+        outcome.errors += 1
+        return
+    outcome.ttfts.append(first)
+    outcome.latencies.append(time.perf_counter() - started)
+
+
+async def _session(
+    http: httpx.AsyncClient,
+    model: str,
+    systems: Sequence[tuple[int, ...]],
+    session: Session,
+    outcome: Outcome,
+    origin: float,
+) -> None:
+    await asyncio.sleep(max(0.0, origin + session.start - time.perf_counter()))
+    history: list[int] = list(systems[session.system])
+    for turn, message in enumerate(session.messages):
+        if turn:
+            history += session.answers[turn - 1]
+            await asyncio.sleep(session.pauses[turn - 1])
+        history += message
+        await _turn(http, model, history, session.outputs[turn], outcome)
+
+
+def _client(gateway: peers.Gateway) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024, keepalive_expiry=2)
+    return httpx.AsyncClient(
+        base_url=gateway.url, headers=gateway.headers, timeout=300.0, limits=limits
+    )
+
+
+async def drive(
+    gateway: peers.Gateway,
+    engine: peers.Engine,
+    process: EngineProcess,
+    systems: Sequence[tuple[int, ...]],
+    plan: Sequence[Session],
+    name: str,
+) -> Outcome:
+    outcome = Outcome(name)
+    before = process.stats()
+    async with _client(gateway) as http:
+        origin = time.perf_counter()
+        await asyncio.gather(
+            *(_session(http, engine.model, systems, s, outcome, origin) for s in plan)
+        )
+        outcome.seconds = time.perf_counter() - origin
+    after = process.stats()
+    work = []
+    requests = []
+    for rank in sorted(after):
+        prompt = after[rank][0] - before[rank][0]
+        cached = after[rank][1] - before[rank][1]
+        outcome.prompt += prompt
+        outcome.cached += cached
+        work.append(prompt - cached)
+        requests.append(after[rank][2] - before[rank][2])
+        outcome.preemptions += after[rank][3] - before[rank][3]
+    dp = len(after)
+    if sum(work):
+        outcome.work_share.append(max(work) * dp / sum(work))
+    if sum(requests):
+        outcome.request_share.append(max(requests) * dp / sum(requests))
+    return outcome
+
+
+async def calibrate(
+    gateway: peers.Gateway,
+    engine: peers.Engine,
+    systems: Sequence[tuple[int, ...]],
+    shape: Shape,
+    seconds: float,
+) -> float:
+    """Sessions a second that round robin completes in a closed loop of 4 per rank."""
+    rng = random.Random(shape.seed + 99)
+    cumulative = zipf_table(shape)
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            session = one_session(shape, rng, cumulative, 0.0)
+            await _session(
+                http, engine.model, systems, session, Outcome("calibration"), time.perf_counter()
+            )
+            if time.perf_counter() < deadline:
+                done += 1
+
+    async with _client(gateway) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(4 * engine.dp_size)))
+        elapsed = time.perf_counter() - started
+    return done / elapsed
+
+
+Starter = Callable[[ExitStack, peers.Engine], peers.Gateway]
+
+
+def _rankgate(stack: ExitStack, engine: peers.Engine, policy: str) -> peers.Gateway:
+    return peers.start_rankgate(stack, engine, policy)
+
+
+def starters(policies: Sequence[str]) -> dict[str, Starter]:
+    found: dict[str, Starter] = {}
+    for policy in policies:
+        found[f"rankgate {policy}"] = functools.partial(_rankgate, policy=policy)
+    found["vllm-router kv_aware"] = lambda s, e: peers.start_vllm_router(s, e, "kv_aware")
+    found["round_robin"] = lambda s, e: peers.start_rankgate(s, e, "round_robin")
+    return found
+
+
+HEAD = [
+    "DP", "load", "target", "requests", "errors", "mean TTFT ms", "p50 TTFT ms", "p99 TTFT ms",
+    "mean e2e ms", "req/s", "hit rate", "busiest rank work", "busiest rank requests",
+    "preemptions",
+]  # fmt: skip
+
+
+def row(dp: int, load: float, o: Outcome) -> list[str]:
+    def ms(value: float) -> str:
+        return f"{value * 1e3:.0f}"
+
+    def share(values: list[float]) -> str:
+        return f"{statistics.fmean(values):.2f}x" if values else "n/a"
+
+    return [
+        str(dp),
+        f"{load:.0%}",
+        o.target,
+        str(len(o.ttfts)),
+        str(o.errors),
+        ms(statistics.fmean(o.ttfts)) if o.ttfts else "n/a",
+        ms(_quantile(o.ttfts, 0.5)),
+        ms(_quantile(o.ttfts, 0.99)),
+        ms(statistics.fmean(o.latencies)) if o.latencies else "n/a",
+        f"{len(o.ttfts) / o.seconds:.1f}" if o.seconds else "n/a",
+        f"{o.cached / o.prompt:.3f}" if o.prompt else "n/a",
+        share(o.work_share),
+        share(o.request_share),
+        str(o.preemptions),
+    ]
+
+
+def render(rows: list[list[str]], title: str, markdown: bool) -> str:
+    if markdown:
+        lines = [title, "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [HEAD, *rows]) for i in range(len(HEAD))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(HEAD, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace, work_dir: Path) -> str:
+    shape = Shape(
+        prompts=args.prompts,
+        zipf=args.zipf,
+        system_tokens=(8192, 32768) if args.long else (1024, 3072),
+        turns=args.turns,
+        seed=args.seed,
+    )
+    systems = system_prompts(shape)
+    model_dir = peers.model_dir(work_dir)
+    targets = starters(args.policy)
+    rows: list[list[str]] = []
+    for dp in args.dp:
+        rate_full = args.session_rate
+        if rate_full is None:
+            with mock_engine(args, dp, model_dir) as (engine, _), ExitStack() as stack:
+                gateway = targets["round_robin"](stack, engine)
+                rate_full = await calibrate(gateway, engine, systems, shape, args.calibrate_seconds)
+            print(f"DP={dp}: round robin sustains {rate_full:.2f} sessions/s", flush=True)
+        for load in args.load:
+            rate = rate_full * load
+            plan = sessions(shape, rate, args.seconds, args.seed + dp)
+            pooled: dict[str, Outcome] = {}
+            for round_index in range(args.rounds):
+                names = list(targets)
+                shift = round_index % len(names)
+                for name in names[shift:] + names[:shift]:
+                    with (
+                        mock_engine(args, dp, model_dir) as (engine, process),
+                        ExitStack() as stack,
+                    ):
+                        gateway = targets[name](stack, engine)
+                        outcome = await drive(gateway, engine, process, systems, plan, name)
+                    pooled.setdefault(name, Outcome(name)).absorb(outcome)
+                    print("  ".join(row(dp, load, outcome)), flush=True)
+            rows.extend(row(dp, load, pooled[name]) for name in targets)
+    title = (
+        f"Production-shaped routing, mock engine (speed {args.speed}, block {BLOCK}, "
+        f"{args.kv_blocks} KV blocks and {args.max_running} running per rank); "
+        f"{args.prompts} system prompts of {shape.system_tokens[0]}-{shape.system_tokens[1]} "
+        f"tokens, Zipf {args.zipf}, {args.turns} turns a session on average, Poisson arrivals "
+        f"for {args.seconds:.0f} s; load relative to round robin's sustained rate; "
+        f"{args.rounds} interleaved rounds, pooled; {peers.machine()}"
+    )
+    return render(rows, title, args.markdown)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--load", type=float, nargs="+", default=[0.7, 0.9])
+    parser.add_argument("--policy", nargs="+", default=["kv"], help="Rankgate policies")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=40.0, help="arrival window per run")
+    parser.add_argument("--speed", type=float, default=0.5, help="mock timing (1.0 = GPU-like)")
+    parser.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per rank")
+    parser.add_argument("--max-running", type=int, default=64, help="running requests per rank")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--zipf", type=float, default=1.3)
+    parser.add_argument("--turns", type=float, default=3.0, help="mean turns a session")
+    parser.add_argument("--long", action="store_true", help="8k-32k-token system prompts")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--calibrate-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--session-rate", type=float, help="full load in sessions/s (skips calibration)"
+    )
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="production-routing-") as work:
+        print(asyncio.run(run(args, Path(work))))
+
+
+if __name__ == "__main__":
+    main()
