@@ -1,6 +1,6 @@
 """Hostile clients against one gateway: how long is everyone else kept waiting, and what memory?
 
-For every class of attack in issue 18 this sends the worst case found and measures, on a fresh
+For every class of attack this sends the worst case found and measures, on a fresh
 gateway each time: the outcome the attacker gets (status, or how long a connection stayed
 open), the longest ``GET /health`` round trip of a concurrent poller (that is the event loop's
 stall: /health itself does no work) and the gateway process's peak RSS growth over its idle
@@ -406,12 +406,39 @@ def client_errors(gw: Gateway, timeout: float) -> Outcome:
     return Outcome(" ".join(statuses), time.perf_counter() - started)
 
 
+@cache
+def _tokenize_body() -> bytes:
+    return orjson.dumps({"prompt": "lorem ipsum dolor " * (10 * MB // 18)})
+
+
+def tokenize_10mb(gw: Gateway, timeout: float) -> Outcome:
+    return _post(gw, "/tokenize", _tokenize_body(), timeout)
+
+
+def connection_flood(gw: Gateway, timeout: float) -> Outcome:
+    """Idle sockets past the connection cap (2048 per worker), then a fresh probe."""
+    started = time.perf_counter()
+    flood: list[socket.socket] = []
+    try:
+        flood.extend(socket.create_connection(("127.0.0.1", gw.port)) for _ in range(3000))
+        time.sleep(1.5)  # past the grace that spares young connections
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=timeout)
+        conn.request("GET", "/health")
+        status = conn.getresponse().status
+        conn.close()
+        return Outcome(f"new /health {status}", time.perf_counter() - started)
+    finally:
+        for sock in flood:
+            sock.close()
+
+
 PREPARE: dict[str, Callable[[], bytes]] = {
     "kv_nested_30mb": _kv_nested_body,
     "message_10mb": _message_body,
     "tool_description_10mb": _tool_body,
     "reasoning_10mb": _reasoning_body,
     "images_over_budget": _images_body,
+    "tokenize_10mb": _tokenize_body,
 }
 # Connection cases wait past the longest default deadline (the 60 s body timeout).
 LIFETIME_CASES = frozenset({"slowloris", "slow_body", "silent_connection"})
@@ -432,6 +459,8 @@ ATTACKS: dict[str, Callable[[Gateway, float], Outcome]] = {
     "silent_connection": silent,
     "fan_out_256x128": fan_out,
     "client_errors": client_errors,
+    "tokenize_10mb": tokenize_10mb,
+    "connection_flood_3000": connection_flood,
 }
 
 
