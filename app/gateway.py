@@ -7,7 +7,7 @@ HTTP surface can be driven in tests by any engine that speaks the same typed con
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -26,21 +26,35 @@ from rankgate.app.respond.parsers import (
     canonical_tool_parser,
     vocabulary,
 )
-from rankgate.sidecar import Delta, EngineInfo, PreparedRequest
+from rankgate.sidecar import Admission, Delta, EngineInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
+    """What the routes and the server need of the engine: the sidecar, the prefill/decode
+    pair, or a test's double."""
+
     @property
     def ready(self) -> bool: ...
 
     @property
     def info(self) -> EngineInfo: ...
 
+    @property
+    def admission(self) -> Admission | None:
+        """The per-rank admission whose state ``/metrics`` reports (None: no admission)."""
+
     def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]: ...
 
+    def generate_batch(self, requests: Sequence[PreparedRequest], n: int) -> AsyncIterator[Delta]:
+        """Several prompts of one completions request: request k's choice i as choice
+        ``k * n + i``, admitted as one where the engine can."""
+
     async def list_loras(self) -> tuple[str, ...]: ...
+
+    async def close(self) -> None:
+        """Stop serving: queued requests are refused and open streams end with an error."""
 
 
 @dataclass(frozen=True, slots=True)

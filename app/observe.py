@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from rankgate.app.access_log import AccessLog
 from rankgate.app.metrics import GatewayMetrics, Observation
-from rankgate.app.respond.merge import close_stream
+from rankgate.app.respond.primed import close_stream
 from rankgate.sidecar import Delta
 
 if TYPE_CHECKING:

@@ -88,11 +88,10 @@ def create_app(
                     stack.push_async_callback(preparer.aclose)
                     hook = preparer
                 app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
-                close = getattr(serving, "close", None)
-                if close is not None and engine is None:
+                if engine is None:
                     # Queued requests get 503; pre-empted engine streams end with an error
                     # event, not a cut.
-                    shutdown.on_expiry(close)
+                    shutdown.on_expiry(serving.close)
                 app.state.metrics.watch_engine(_engine_probe(serving))
                 app.state.metrics.answer_flushes(asyncio.get_running_loop())
                 tune_after_startup()
@@ -204,8 +203,7 @@ def _sidecar(settings: GatewaySettings, endpoint: str, router: Router) -> Sideca
 def _admission_of(app: FastAPI) -> Admission | None:
     """The serving engine's admission, when it has one (an injected test engine may not)."""
     gateway: Gateway | None = app.state.gateway
-    admission: Admission | None = getattr(gateway.engine, "admission", None) if gateway else None
-    return admission
+    return gateway.engine.admission if gateway is not None else None
 
 
 def _engine_probe(engine: Engine) -> EngineProbe:

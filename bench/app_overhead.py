@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import orjson
 
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
+from rankgate.sidecar import merge_batch
 from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,8 +60,16 @@ class InstantEngine:
             tool_call_parser="",
         )
 
+    admission = None
+
     async def list_loras(self) -> tuple[str, ...]:
         return ()
+
+    def generate_batch(self, requests: Sequence[PreparedRequest], n: int) -> AsyncIterator[Delta]:
+        return merge_batch([self.generate(request) for request in requests], n)
+
+    async def close(self) -> None:
+        return None
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]:
         tokens = request.stopping.max_tokens

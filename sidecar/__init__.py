@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         NotFound,
         SidecarError,
     )
+    from rankgate.sidecar.fan_in import merge_batch
     from rankgate.sidecar.plain_metrics import PlainHistogram, merge_count
     from rankgate.sidecar.routing.base import Router
     from rankgate.sidecar.routing.events import IntakeSettings
@@ -58,6 +59,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AdmissionConfig": ("admission", "AdmissionConfig"),
     "SidecarConfig": ("config", "SidecarConfig"),
     "DisaggregatedEngine": ("disagg", "DisaggregatedEngine"),
+    "merge_batch": ("fan_in", "merge_batch"),
     "routing_for": ("disagg", "routing_for"),
     "Sidecar": ("engine", "Sidecar"),
     "BadEngineResponse": ("errors", "BadEngineResponse"),
@@ -127,6 +129,7 @@ __all__ = [
     "StructuredOutput",
     "TokenLogprob",
     "build_router",
+    "merge_batch",
     "merge_count",
     "routing_for",
     "routing_metrics",

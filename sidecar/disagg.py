@@ -33,6 +33,7 @@ from rankgate.sidecar.errors import (
     InvalidRequest,
     SidecarError,
 )
+from rankgate.sidecar.fan_in import interleave, merge_batch
 from rankgate.sidecar.routing.hashing import image_runs
 from rankgate.sidecar.routing.policy import RoutingConfig
 from rankgate.sidecar.types import (
@@ -201,13 +202,25 @@ class DisaggregatedEngine:
             return
         if request.n == 1:
             pipeline = self._choice(request, 0)
-        else:
-            pipeline = _interleave([self._choice(request, i) for i in range(request.n)])
+            try:
+                async for delta in pipeline:
+                    yield delta
+            finally:
+                await pipeline.aclose()
+            return
+        choices = interleave([self._choice(request, i) for i in range(request.n)])
         try:
-            async for delta in pipeline:
+            async for _, delta in choices:
                 yield delta
         finally:
-            await pipeline.aclose()
+            await choices.aclose()
+
+    def generate_batch(
+        self, requests: Sequence[PreparedRequest], n: int
+    ) -> AsyncGenerator[Delta, None]:
+        """The deltas of every request of a batch, request k's choice i as choice
+        ``k * n + i``; each request is admitted on each side as it reaches it."""
+        return merge_batch([self.generate(request) for request in requests], n)
 
     async def _choice(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
         decode = _single_choice(request, choice)
@@ -411,30 +424,3 @@ def learned_media(
     filled = list(media)
     filled[unknown[0]] = msgspec.structs.replace(media[unknown[0]], num_tokens=count)
     return tuple(filled)
-
-
-async def _interleave(
-    streams: Sequence[AsyncGenerator[Delta, None]],
-) -> AsyncGenerator[Delta, None]:
-    """Deltas of several choice pipelines as they come; the first failure ends them all."""
-    reads: dict[asyncio.Future[Delta], AsyncGenerator[Delta, None]] = {}
-    try:
-        for stream in streams:
-            reads[asyncio.ensure_future(anext(stream))] = stream
-        while reads:
-            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                stream = reads.pop(task)
-                try:
-                    delta = task.result()
-                except StopAsyncIteration:
-                    continue
-                reads[asyncio.ensure_future(anext(stream))] = stream
-                yield delta
-    finally:
-        for task in reads:
-            task.cancel()
-        if reads:
-            await asyncio.gather(*reads, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()

@@ -10,6 +10,7 @@ drops the request's streams.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections.abc import AsyncGenerator, Sequence
 
 import grpc
@@ -17,6 +18,7 @@ import grpc
 from rankgate.sidecar.admission import Admission
 from rankgate.sidecar.config import CONTROL_RPC_TIMEOUT_S, SidecarConfig
 from rankgate.sidecar.convert import is_decode_handoff
+from rankgate.sidecar.fan_in import FirstDone
 from rankgate.sidecar.inference_client import GenerateResponse
 from rankgate.sidecar.lifecycle import Lifecycle
 from rankgate.sidecar.loras import LoraNames
@@ -105,56 +107,32 @@ class Sidecar:
         has not produced its first token yet: that one is read on in the background, at most
         ``decode_handoff_timeout`` seconds.
         """
-        messages = self._lifecycle.encode(request)
-        handoff = decode_handoff or is_decode_handoff(request)
-        unary = not request.stream and not handoff
-        inline = len(messages) == 1 and not handoff
-        streams = RequestStreams(self._book, request, messages, handoff, unary, inline)
+        streams = self._streams(request, decode_handoff or is_decode_handoff(request), alone=True)
+        if not streams.inline:
+            async with aclosing(self._fan_in([streams], 0)) as fanned:
+                async for item in fanned:
+                    yield item
+            return
+        # The common case reads in the consumer's own task: no extra task per message, and
+        # the call's own iterator (or its one reply), the cheapest way to read it.
         try:
-            grant = self.admission.grant(
-                request.rank, len(messages), request.priority, request.trace
-            )
-            try:
-                async with grant:
-                    streams.launch(grant)
-            except BaseException:
-                if handoff and not streams.opened:
-                    streams.hand_off_unsent()
-                raise
+            await self._launch([streams])
+            unary = streams.unary
             accept = streams.accept_reply if unary else streams.accept
-            if inline:
-                # The common case reads in the consumer's own task: no extra task per message,
-                # and the call's own iterator (or its one reply), the cheapest way to read it.
-                stream = streams.opened[0]
-                call = stream.call
-                while True:
-                    try:
-                        response = await (call.reply() if unary else anext(call))
-                    except BaseException as error:
-                        stream = streams.failed(stream, error)
-                        call = stream.call
-                        continue
-                    delta = accept(stream, response)
-                    if delta is not None:
-                        yield delta
-                        if stream.done:
-                            return
-            else:
-                reads = streams.reads
-                while reads:
-                    done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        stream = reads.pop(task)
-                        try:
-                            response = task.result()
-                        except BaseException as error:
-                            streams.failed(stream, error)
-                            continue
-                        delta = accept(stream, response)
-                        if not stream.done:
-                            streams.read(stream)
-                        if delta is not None:
-                            yield delta
+            stream = streams.opened[0]
+            call = stream.call
+            while True:
+                try:
+                    response = await (call.reply() if unary else anext(call))
+                except BaseException as error:
+                    stream = streams.failed(stream, error)
+                    call = stream.call
+                    continue
+                delta = accept(stream, response)
+                if delta is not None:
+                    yield delta
+                    if stream.done:
+                        return
         finally:
             streams.drop()
 
@@ -169,48 +147,62 @@ class Sidecar:
         let a large batch run in part and then be refused, or hold slots while it waits for
         more. Closing the iterator drops every stream of the batch.
         """
-        batch: list[RequestStreams] = []
-        for request in requests:
-            messages = self._lifecycle.encode(request)
-            handoff = is_decode_handoff(request)
-            unary = not request.stream and not handoff
-            batch.append(RequestStreams(self._book, request, messages, handoff, unary, False))
-        first = requests[0]
+        batch = [
+            self._streams(request, is_decode_handoff(request), alone=False) for request in requests
+        ]
+        async with aclosing(self._fan_in(batch, n)) as fanned:
+            async for delta in fanned:
+                yield delta
+
+    def _streams(self, request: PreparedRequest, handoff: bool, *, alone: bool) -> RequestStreams:
+        """The request's streams; read in the consumer's own task (``inline``) when it is the
+        only request and has one stream that is no hand-off."""
+        messages = self._lifecycle.encode(request)
+        unary = not request.stream and not handoff
+        inline = alone and len(messages) == 1 and not handoff
+        return RequestStreams(self._book, request, messages, handoff, unary, inline)
+
+    async def _launch(self, batch: Sequence[RequestStreams]) -> None:
+        """Admit the streams of ``batch`` as one (every slot, or none) and launch them."""
+        first = batch[0].request
         weight = sum(streams.width for streams in batch)
+        grant = self.admission.grant(first.rank, weight, first.priority, first.trace)
         try:
-            grant = self.admission.grant(first.rank, weight, first.priority, first.trace)
-            try:
-                async with grant:
-                    for streams in batch:
-                        streams.launch(grant)
-            except BaseException:
+            async with grant:
                 for streams in batch:
-                    if streams.handoff and not streams.opened:
-                        streams.hand_off_unsent()
-                raise
+                    streams.launch(grant)
+        except BaseException:
+            for streams in batch:
+                if streams.handoff and not streams.opened:
+                    streams.hand_off_unsent()
+            raise
+
+    async def _fan_in(self, batch: Sequence[RequestStreams], n: int) -> AsyncGenerator[Delta, None]:
+        """Every stream of ``batch`` read by a task of its own; request k's choice i becomes
+        choice ``k * n + i``."""
+        try:
+            await self._launch(batch)
             owners: dict[asyncio.Future[GenerateResponse], int] = {}
             for k, streams in enumerate(batch):
                 owners.update(dict.fromkeys(streams.reads, k))
-            while owners:
-                done, _ = await asyncio.wait(owners, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    k = owners.pop(task)
-                    streams = batch[k]
-                    stream = streams.reads.pop(task)
-                    try:
-                        response = task.result()
-                    except BaseException as error:
-                        streams.failed(stream, error)
-                        owners.update(dict.fromkeys(streams.reads.keys() - owners.keys(), k))
-                        continue
-                    accept = streams.accept_reply if streams.unary else streams.accept
-                    delta = accept(stream, response)
-                    if not stream.done:
-                        streams.read(stream)
-                        owners.update(dict.fromkeys(streams.reads.keys() - owners.keys(), k))
-                    if delta is not None:
+            async for read, k in FirstDone(owners):
+                streams = batch[k]
+                stream = streams.reads.pop(read)
+                try:
+                    response = read.result()
+                except BaseException as error:
+                    # The choice goes on in a relaunched stream, whose read is new.
+                    streams.failed(stream, error)
+                    owners.update(dict.fromkeys(streams.reads.keys() - owners.keys(), k))
+                    continue
+                accept = streams.accept_reply if streams.unary else streams.accept
+                delta = accept(stream, response)
+                if not stream.done:
+                    owners[streams.read(stream)] = k
+                if delta is not None:
+                    if k:
                         delta.index += k * n
-                        yield delta
+                    yield delta
         finally:
             for streams in batch:
                 streams.drop()

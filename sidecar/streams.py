@@ -255,11 +255,17 @@ class RequestStreams(msgspec.Struct, eq=False):
                 del self.reads[read]
             book.hand_off(stream, read)
 
-    def read(self, stream: EngineStream) -> None:
+    @property
+    def request(self) -> PreparedRequest:
+        return self._request
+
+    def read(self, stream: EngineStream) -> asyncio.Future[GenerateResponse]:
         """Start reading the next message of ``stream`` into ``reads``."""
         call = stream.call
         awaitable = call.reply() if self.unary else anext(call)
-        self.reads[asyncio.ensure_future(awaitable)] = stream
+        read = asyncio.ensure_future(awaitable)
+        self.reads[read] = stream
+        return read
 
     def accept(self, stream: EngineStream, response: GenerateResponse) -> Delta | None:
         """The delta a streamed message makes for the client, if any."""

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from rankgate.app.errors import as_api_error
 from rankgate.app.observe import Tracked
-from rankgate.app.respond.merge import close_stream, unprimed
+from rankgate.app.respond.primed import close_stream, unprimed
 from rankgate.sidecar import Delta
 
 DONE = b"data: [DONE]\n\n"

@@ -16,7 +16,7 @@ from rankgate.app.limits import InputLimits, check_content_type, check_shape, re
 from rankgate.app.metrics import GatewayMetrics
 from rankgate.app.prepare.chat import ChatPreparer, PreparedChat
 from rankgate.app.prepare.rank import RANK_HEADER, rank_from_header
-from rankgate.app.respond.merge import Primed, close_stream, prime
+from rankgate.app.respond.primed import Primed, close_stream, prime
 from rankgate.app.unknown_fields import decode_ignoring_unknown, unknown_field
 from rankgate.sidecar import Delta, EngineUnavailable
 

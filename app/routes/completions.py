@@ -9,7 +9,6 @@ from starlette.responses import Response
 
 from rankgate.app.observe import RequestRecord
 from rankgate.app.respond.complete import completion
-from rankgate.app.respond.merge import merged
 from rankgate.app.respond.stream import completion_events
 from rankgate.app.routes.common import decode_body, gateway_of
 from rankgate.app.routes.generation import answer, prepare, response_context
@@ -48,14 +47,11 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     )
     engine = gateway.engine
     source: AsyncIterator[Delta]
-    batch = getattr(engine, "generate_batch", None)
     if len(prepared.requests) == 1:
         source = engine.generate(prepared.requests[0])
-    elif batch is not None:
-        # Every prompt's streams admitted as one: the batch runs whole or is refused whole.
-        source = batch(prepared.requests, req.n)
     else:
-        source = merged([engine.generate(p) for p in prepared.requests], req.n)
+        # Every prompt's streams admitted as one: the batch runs whole or is refused whole.
+        source = engine.generate_batch(prepared.requests, req.n)
     return await answer(
         request, record, source, ctx, completion, completion_events, stream=req.stream
     )

@@ -16,8 +16,8 @@ from rankgate.app.observe import RequestRecord, Tracked, observer_of
 from rankgate.app.respond.context import NO_PARSING, ResponseContext
 from rankgate.app.respond.document import JsonDocument
 from rankgate.app.respond.logprobs import LogprobFormatter
-from rankgate.app.respond.merge import close_stream, prime
 from rankgate.app.respond.parsers import OutputPlan
+from rankgate.app.respond.primed import close_stream, prime
 from rankgate.app.respond.sse import EventStreamResponse
 from rankgate.app.respond.stream import guarded
 from rankgate.app.routes.common import body_size, pinned_rank, whole_body

@@ -19,7 +19,7 @@ from rankgate.app.limits import InputLimits
 from rankgate.app.observe import RequestRecord, Tracked, observer_of
 from rankgate.app.prepare.responses import chat_request, renamed
 from rankgate.app.respond.document import JsonDocument
-from rankgate.app.respond.merge import prime
+from rankgate.app.respond.primed import prime
 from rankgate.app.respond.responses import (
     ResponseChunks,
     ResponsesContext,

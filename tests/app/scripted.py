@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.sidecar import merge_batch
 from rankgate.sidecar.errors import SidecarError
 from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity, TokenLogprob
 
@@ -61,8 +62,18 @@ class ScriptedEngine:
     def info(self) -> EngineInfo:
         return self._info
 
+    @property
+    def admission(self) -> None:
+        return None
+
     async def list_loras(self) -> tuple[str, ...]:
         return self.loras
+
+    def generate_batch(self, requests: Sequence[PreparedRequest], n: int) -> AsyncIterator[Delta]:
+        return merge_batch([self.generate(request) for request in requests], n)
+
+    async def close(self) -> None:
+        return None
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]:
         self.requests.append(request)

@@ -1,4 +1,4 @@
-"""Several engine requests as one delta stream (a completions batch), and first-delta priming.
+"""First-delta priming, and closing a delta stream whatever its type.
 
 Priming awaits the first delta before the HTTP response starts, so an engine that refuses
 the request produces a proper 4xx/5xx status instead of a 200 stream with an error inside.
@@ -6,9 +6,7 @@ the request produces a proper 4xx/5xx status instead of a 200 stream with an err
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from rankgate.sidecar import Delta, EngineFailure
@@ -71,35 +69,3 @@ async def prime(stream: AsyncIterator[Delta]) -> Primed:
         await close_stream(stream)
         raise
     return Primed(first, stream)
-
-
-async def merged(streams: Sequence[AsyncIterator[Delta]], n: int) -> AsyncIterator[Delta]:
-    """Interleave streams as they produce; stream k's choice i becomes choice ``k * n + i``."""
-    if len(streams) == 1:
-        async for delta in streams[0]:
-            yield delta
-        return
-    reads: dict[asyncio.Future[Delta], int] = {}
-    try:
-        for k, stream in enumerate(streams):
-            reads[asyncio.ensure_future(stream.__anext__())] = k
-        while reads:
-            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                k = reads.pop(task)
-                try:
-                    delta = task.result()
-                except StopAsyncIteration:
-                    continue
-                reads[asyncio.ensure_future(streams[k].__anext__())] = k
-                delta.index += k * n
-                yield delta
-    finally:
-        for task in reads:
-            task.cancel()
-        for task in reads:
-            with contextlib.suppress(BaseException):
-                await task
-        for stream in streams:
-            with contextlib.suppress(Exception):
-                await close_stream(stream)
