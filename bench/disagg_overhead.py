@@ -30,7 +30,8 @@ from rankgate.mocker.transfer import Role
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.disagg import DisaggregatedEngine, routing_for
 from rankgate.sidecar.engine import Sidecar
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import Delta, PreparedRequest, SamplingParams, StoppingParams
 
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")

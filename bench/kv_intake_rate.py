@@ -26,8 +26,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import KvEventSource
 from tests.routing.conftest import engine_info
 from tests.support.ports import free_port

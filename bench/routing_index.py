@@ -23,8 +23,9 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import prompt_keys
-from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import KvEventSource
 from tests.routing.conftest import engine_info, prepared
 from tests.routing.publisher import TestPublisher, stored
@@ -106,7 +107,9 @@ async def _ingest(args: argparse.Namespace) -> None:
     while applied() < total_batches:  # noqa: ASYNC110 - the counter is the only signal
         await asyncio.sleep(0.01)
     elapsed = time.perf_counter() - payload_start
-    indexed = [router.events.size(slot) if router.events else 0 for slot in range(args.ranks)]
+    indexed = [
+        router.view.events.size(slot) if router.view.events else 0 for slot in range(args.ranks)
+    ]
     blocks = total_events * BLOCKS_PER_EVENT
     print(f"ingestion: {args.ranks} ranks, {total_batches} batches, {total_events} events")
     print(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from rankgate.sidecar.routing.policy import POLICIES
+from rankgate.sidecar.routing.config import POLICIES
 from tests.routing.workload import NoReuse, PolicyResult, SharedPrefix, Workload, run_policy, table
 
 

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     from rankgate.sidecar.fan_in import merge_batch
     from rankgate.sidecar.plain_metrics import PlainHistogram, merge_count
     from rankgate.sidecar.routing.base import Router
+    from rankgate.sidecar.routing.config import RoutingConfig
     from rankgate.sidecar.routing.events import IntakeSettings
     from rankgate.sidecar.routing.metrics import RouteTally, routing_metrics
-    from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+    from rankgate.sidecar.routing.policies import build_router
     from rankgate.sidecar.routing.shared_load import SharedLoadBoard
     from rankgate.sidecar.types import (
         Delta,
@@ -78,8 +79,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "IntakeSettings": ("routing.events", "IntakeSettings"),
     "RouteTally": ("routing.metrics", "RouteTally"),
     "routing_metrics": ("routing.metrics", "routing_metrics"),
-    "RoutingConfig": ("routing.policy", "RoutingConfig"),
-    "build_router": ("routing.policy", "build_router"),
+    "RoutingConfig": ("routing.config", "RoutingConfig"),
+    "build_router": ("routing.policies", "build_router"),
     "SharedLoadBoard": ("routing.shared_load", "SharedLoadBoard"),
     "Delta": ("types", "Delta"),
     "EngineInfo": ("types", "EngineInfo"),

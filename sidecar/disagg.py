@@ -34,8 +34,8 @@ from rankgate.sidecar.errors import (
     SidecarError,
 )
 from rankgate.sidecar.fan_in import interleave, merge_batch
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import image_runs
-from rankgate.sidecar.routing.policy import RoutingConfig
 from rankgate.sidecar.types import (
     Delta,
     EngineInfo,

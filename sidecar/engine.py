@@ -10,8 +10,8 @@ drops the request's streams.
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 
 import grpc
 

@@ -13,8 +13,8 @@ import pytest
 
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.routing_flags import TUNABLES
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
-from rankgate.sidecar.routing.policy import RoutingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

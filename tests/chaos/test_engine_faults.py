@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rankgate.mocker.testing import running_mock_engine
-from rankgate.sidecar.routing.policy import RoutingConfig
+from rankgate.sidecar.routing.config import RoutingConfig
 from tests.chaos.harness import (
     Gateway,
     StreamResult,

@@ -24,7 +24,8 @@ from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import (
     Delta,
     MediaInput,

@@ -12,7 +12,8 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.routing.base import Router
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.routing.shared_load import SharedLoadBoard
 from rankgate.sidecar.types import (
     EngineInfo,

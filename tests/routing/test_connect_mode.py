@@ -21,7 +21,8 @@ from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import KvEventSource
 from tests.app.serving import serve_app
 from tests.app.test_route_header import route_of, served_on

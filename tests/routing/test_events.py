@@ -9,8 +9,8 @@ import time
 import msgspec
 import pytest
 
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
-from rankgate.sidecar.routing.policy import RoutingConfig
 from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample, until
 from tests.routing.publisher import cleared, removed, stored
 
@@ -361,7 +361,7 @@ async def test_an_intake_that_fails_anyway_restarts_with_its_view_purged(
     await rig.settle(0, 1)
     assert rig.route(P + TAIL) == (0, 16)
 
-    intake = rig.intake_router.intake  # type: ignore[attr-defined]
+    intake = rig.intake_router.view.intake  # type: ignore[attr-defined]
     serve_live = intake._drain_live
     failures = [RuntimeError("a fault nobody foresaw")]
 

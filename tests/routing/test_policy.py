@@ -8,8 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from rankgate.sidecar.errors import EngineUnavailable, InvalidRequest
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
-from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import MediaInput
 from tests.routing.conftest import BLOCK, RigFactory, engine_info, prepared, sample
 from tests.routing.publisher import stored

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.engine import Sidecar
-from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.conformance.helpers import fresh_prompt
 from tests.support.engines import EngineUnderTest
@@ -59,7 +60,9 @@ async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderT
 
         await _complete(sidecar, _request(prefix + tails[0], "warm", rank=1))
         deadline = time.monotonic() + 60.0
-        while router.events is None or router.events.match(keys).device[1] < PREFIX_BLOCKS:
+        while (
+            router.view.events is None or router.view.events.match(keys).device[1] < PREFIX_BLOCKS
+        ):
             assert time.monotonic() < deadline, "rank 1 never announced the prefix"
             await asyncio.sleep(0.05)
 
@@ -80,7 +83,7 @@ async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderT
         assert after is not None
         assert after - before == 2 * len(tails[1:])
         # Rank 0 never computed the prefix: nothing was sent there.
-        assert router.events.match(keys).device[0] == 0
+        assert router.view.events.match(keys).device[0] == 0
         cached = registry.get_sample_value("rankgate_routing_cached_tokens_total", {"rank": "1"})
         assert cached is not None
         assert cached >= 2 * len(tails[1:]) * PREFIX_BLOCKS * block

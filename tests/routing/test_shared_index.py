@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, match_masks
-from rankgate.sidecar.routing.policy import KvRouter, RoutingConfig, build_router
+from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.routing.shared_index import (
     MAX_SLOTS,
     MIN_ENTRIES,
@@ -133,23 +134,23 @@ async def test_only_the_first_worker_runs_an_intake(board: SharedLoadBoard) -> N
     second_board = SharedLoadBoard.attach(board.name, 2, 1, max_ranks=8)
     first, second = _kv_router(board), _kv_router(second_board)
     try:
-        assert first.intake is not None
-        assert first.events is not None
-        assert first.events.mirror is first.shared_table
-        assert second.intake is None
-        assert second.events is None
+        assert first.view.intake is not None
+        assert first.view.events is not None
+        assert first.view.events.mirror is first.view.shared_table
+        assert second.view.intake is None
+        assert second.view.events is None
         assert board.kv_generation == 1
-        first.events.store(1, DEVICE, "block", 42)
-        assert second._event_match([42]) is not None
-        assert second._event_match([42]).device == [0, 1]  # type: ignore[union-attr]
+        first.view.events.store(1, DEVICE, "block", 42)
+        assert second.view.match([42]) is not None
+        assert second.view.match([42]).device == [0, 1]  # type: ignore[union-attr]
         assert second._index_sizes(1) == (1, 0, 0)
         # A topology change makes a new table; the reader follows it on its next look.
         first.configure(engine_info((0, 1), sources=_sources(), kv_blocks=50))
         assert board.kv_generation == 3  # one past the old table's, which is gone
-        assert second._event_match([42]).device == [0, 0]  # type: ignore[union-attr]
+        assert second.view.match([42]).device == [0, 0]  # type: ignore[union-attr]
         await first.close()
         # The table went with its writer: the reader routes on predictions alone meanwhile.
-        assert second._event_match([42]) is None
+        assert second.view.match([42]) is None
     finally:
         await first.close()
         await second.close()
@@ -160,7 +161,7 @@ async def test_a_reader_of_other_ranks_ignores_the_table(board: SharedLoadBoard)
     second_board = SharedLoadBoard.attach(board.name, 2, 1, max_ranks=8)
     first, second = _kv_router(board), _kv_router(second_board, ranks=(0, 1, 2))
     try:
-        assert second._event_match([1]) is None
+        assert second.view.match([1]) is None
     finally:
         await first.close()
         await second.close()
@@ -175,9 +176,9 @@ def test_a_single_worker_keeps_its_index_to_itself() -> None:
     alone = SharedLoadBoard.create(1, max_ranks=8)
     try:
         router = _kv_router(alone)
-        assert router.shared_table is None
-        assert router.events is not None
-        assert router.events.mirror is None
+        assert router.view.shared_table is None
+        assert router.view.events is not None
+        assert router.view.events.mirror is None
         assert alone.kv_generation == 0
     finally:
         alone.close()

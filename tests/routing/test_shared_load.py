@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.routing.base import RouteDecision
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.load import LoadTracker
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.routing.shared_load import SharedLoadBoard
 from tests.routing.conftest import engine_info, prepared
 

@@ -31,7 +31,8 @@ from rankgate.mocker.config import MockEngineConfig
 from rankgate.mocker.testing import running_mock_engine
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.engine import Sidecar
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.support.ports import free_port, free_port_range
 

@@ -18,7 +18,8 @@ from rankgate.sidecar.errors import (
     InvalidRequest,
 )
 from rankgate.sidecar.proto.vllm import inference_pb2
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import OutputOptions, SamplingParams, StoppingParams
 from tests.sidecar import fake_vllm
 from tests.sidecar.conftest import StartSidecar

@@ -24,7 +24,8 @@ from rankgate.sidecar.errors import (
     EngineUnavailable,
     InvalidRequest,
 )
-from rankgate.sidecar.routing.policy import RoutingConfig, build_router
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import SamplingParams, StoppingParams
 from tests.sidecar.fake_vllm import collect, eventually, request
 from tests.sidecar.routers import FixedRouter

@@ -1,0 +1,64 @@
+"""Every routing tunable, validated once when built (the CLI's routing flags fill it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from rankgate.sidecar.routing.events import IntakeSettings
+
+PolicyName = Literal["kv", "load", "round_robin", "engine"]
+POLICIES: tuple[PolicyName, ...] = ("kv", "load", "round_robin", "engine")
+
+
+class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Every routing tunable; validated once when built."""
+
+    policy: PolicyName = "kv"
+    # Cost weights, in prompt-token units (Dynamo's defaults: both 1; see policies.kv).
+    prefill_weight: float = 1.0
+    decode_weight: float = 0.1
+    # Share of a block's prefill an offloaded (CPU/disk) copy saves.
+    offloaded_hit_weight: float = 0.5
+    # In-flight requests a rank may run above the least busy one before it is skipped.
+    hot_spill_requests: int = 8
+    # Cost per prompt token a rank prefilled lately, fading by half every ``recent_half_life``
+    # seconds (0: only what is in flight counts).
+    recent_weight: float = 0.1
+    recent_half_life: float = 2.0
+    # Seconds a routed prompt is believed cached on its rank: without KV events, and while
+    # waiting for the events of a prompt just routed (0: trust the events alone).
+    predict_ttl: float = 120.0
+    pending_ttl: float = 5.0
+    # Offloaded-tier index entries allowed per rank, as a multiple of its device blocks.
+    offload_index_factor: float = 4.0
+    # The model's image placeholder token id, used to find each image in a token prompt when
+    # the request does not give ``MediaInput.position``; with neither, prompts with images are
+    # matched on none of their blocks.
+    image_token_id: int | None = None
+    intake: IntakeSettings = IntakeSettings()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose from {POLICIES}")
+        if self.prefill_weight < 0:
+            raise ValueError("prefill_weight must be >= 0")
+        if self.decode_weight < 0:
+            raise ValueError("decode_weight must be >= 0")
+        if not 0.0 <= self.offloaded_hit_weight <= 1.0:
+            raise ValueError("offloaded_hit_weight must lie in [0, 1]")
+        if self.hot_spill_requests < 1:
+            raise ValueError("hot_spill_requests must be at least 1")
+        if self.recent_weight < 0:
+            raise ValueError("recent_weight must be >= 0")
+        if self.recent_half_life <= 0:
+            raise ValueError("recent_half_life must be positive")
+        if self.predict_ttl <= 0:
+            raise ValueError("predict_ttl must be positive")
+        if self.pending_ttl < 0:
+            raise ValueError("pending_ttl must be >= 0")
+        if self.offload_index_factor < 0:
+            raise ValueError("offload_index_factor must be >= 0")
+        if self.image_token_id is not None and self.image_token_id < 0:
+            raise ValueError("image_token_id must be >= 0")

@@ -1,0 +1,54 @@
+"""The routing policies, one module each, and the factory the CLI calls.
+
+``kv`` (the default, :mod:`.kv`) routes on the engines' KV caches and load; ``load``,
+``round_robin`` and ``engine`` are the baselines it is measured against. A policy is a
+:class:`~sidecar.routing.base.Router`; those that pick a rank themselves share
+:class:`.ranked.RankedRouter`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from rankgate.sidecar.routing.base import Router
+from rankgate.sidecar.routing.config import PolicyName, RoutingConfig
+from rankgate.sidecar.routing.metrics import RoutingMetrics, routing_metrics
+from rankgate.sidecar.routing.policies.engine import EngineRouter
+from rankgate.sidecar.routing.policies.kv import KvRouter
+from rankgate.sidecar.routing.policies.load import LoadRouter
+from rankgate.sidecar.routing.policies.ranked import RankedRouter
+from rankgate.sidecar.routing.policies.round_robin import RoundRobinRouter
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
+
+log = logging.getLogger(__name__)
+
+RANKED: dict[PolicyName, Callable[[RoutingConfig, RoutingMetrics], RankedRouter]] = {
+    "kv": KvRouter,
+    "load": LoadRouter,
+    "round_robin": RoundRobinRouter,
+}
+
+
+def build_router(
+    config: RoutingConfig,
+    registry: CollectorRegistry | None = None,
+    shared_load: SharedLoadBoard | None = None,
+) -> Router:
+    """The router for ``config.policy``; its metrics go to ``registry`` (default: global).
+
+    ``shared_load`` is the board worker processes share their per-rank load through.
+    """
+    metrics = routing_metrics(registry)
+    # Every tunable, once per router: what an operator's flags and environment amounted to.
+    log.info("routing: %r", config)
+    if config.policy == "engine":
+        return EngineRouter(metrics)
+    router = RANKED[config.policy](config, metrics)
+    router.shared_load = shared_load
+    return router
+
+
+__all__ = ["EngineRouter", "KvRouter", "LoadRouter", "RoundRobinRouter", "build_router"]

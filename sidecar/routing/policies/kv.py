@@ -1,0 +1,191 @@
+"""``kv``, the default policy: KV-cache-aware and load-aware.
+
+It prices each rank like Dynamo's KV router, in prompt-token units:
+``prefill_weight * (uncached prompt tokens + prefill already queued there)
++ decode_weight * tokens held by its requests in decode
++ recent_weight * prompt tokens it prefilled lately`` (fading with ``recent_half_life``), and
+takes the cheapest. The last term keeps a prefix that every prompt shares from herding each
+new conversation onto one rank while the others look idle between turns
+(``bench/peers_routing.py --real`` shows the busiest rank's share of prompt tokens). Dynamo
+weighs decode like prefill; here decode counts a tenth, because a running sequence lengthens
+an engine step far less than prefilling its prompt did, and on the mocker's GPU-like timing
+the tenth gave both the best hit rate and the best TTFT (``bench/routing_workload.py``).
+Two guards keep the greedy choice honest: a rank at ``max_running_requests`` is skipped while
+another has room, and a rank running ``hot_spill_requests`` more requests than the least busy
+one is skipped, so one hot prefix cannot pile every request onto one rank. A rank with no
+admission slot left (``sidecar.admission``) is never chosen while another has one. Exact ties
+go to a rank picked by the prompt's first block key, so a conversation's turns agree without
+always favouring rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Set as AbstractSet
+
+from rankgate.sidecar.routing.base import RouteTicket
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.hashing import PromptKeys, prompt_keys
+from rankgate.sidecar.routing.index import PredictedIndex
+from rankgate.sidecar.routing.kv_view import KvView
+from rankgate.sidecar.routing.load import RecentWork
+from rankgate.sidecar.routing.metrics import RoutingMetrics
+from rankgate.sidecar.routing.policies.ranked import RankedRouter, Topology, estimated
+from rankgate.sidecar.types import EngineInfo, PreparedRequest
+
+log = logging.getLogger(__name__)
+
+
+class KvRouter(RankedRouter):
+    """KV-cache-aware and load-aware: the policy this gateway exists for.
+
+    With ``--workers`` only the first worker subscribes to the KV events; the others read its
+    index's masks from shared memory (:mod:`sidecar.routing.shared_index`).
+    """
+
+    name = "kv"
+
+    def __init__(self, config: RoutingConfig, metrics: RoutingMetrics) -> None:
+        super().__init__(config, metrics)
+        self.view = KvView(metrics, config.intake)
+        self.predicted: PredictedIndex | None = None
+        self.recent: RecentWork | None = None
+        self._last: tuple[PreparedRequest, PromptKeys] | None = None
+        self._spill_hot = metrics.spills.labels("hot_prefix")
+        self._spill_full = metrics.spills.labels("capacity")
+
+    def _on_configure(self, info: EngineInfo, topology: Topology) -> None:
+        self._last = None
+        self.recent = (
+            RecentWork(len(topology.ranks), self.config.recent_half_life)
+            if self.config.recent_weight > 0
+            else None
+        )
+        capacity = [max(1, blocks) for blocks in topology.device_blocks]
+        offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
+        if self.view.configure(
+            topology.sources, self.slots, topology.block_size, capacity, offload, self.shared_load
+        ):
+            ttl = self.config.pending_ttl
+        else:
+            log.info("KV events are off: routing on load and on predictions from past routes")
+            ttl = self.config.predict_ttl
+        self.predicted = PredictedIndex(capacity, ttl) if ttl > 0 else None
+
+    def sent(self) -> None:
+        if self.predicted is not None:
+            self.predicted.settle()
+
+    async def start(self) -> None:
+        await self.view.start()
+
+    async def close(self) -> None:
+        await self.view.close()
+
+    def _index_sizes(self, slot: int) -> tuple[int, int, int]:
+        predicted = self.predicted.size(slot) if self.predicted is not None else 0
+        return (*self.view.sizes(slot), predicted)
+
+    def keys(self, request: PreparedRequest) -> PromptKeys:
+        """The request's block keys, computed once for all its choices."""
+        last = self._last
+        if last is not None and last[0] is request:
+            return last[1]
+        topology = self._require_topology()
+        positions: list[int] | None = None
+        media = request.media
+        if media and all(item.position is not None for item in media):
+            positions = [item.position for item in media if item.position is not None]
+        elif media and self.config.image_token_id is not None:
+            image = self.config.image_token_id
+            positions = [i for i, token in enumerate(request.prompt_token_ids) if token == image]
+        keys = prompt_keys(
+            request.prompt_token_ids,
+            topology.block_size,
+            salt=request.cache_salt,
+            lora_name=request.lora_name,
+            media=request.media,
+            media_positions=positions,
+        )
+        self._last = (request, keys)
+        return keys
+
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
+        topology = self._require_topology()
+        self.load.sync()
+        keys = self.keys(request)
+        hashes = keys.hashes
+        block = topology.block_size
+        prompt_tokens = keys.prompt_tokens
+        cached = self._cached_tokens(hashes, block, prompt_tokens)
+        slot = self._pinned_slot(request)
+        reason = "pinned"
+        if slot is None:
+            slot, reason = self._choose(cached, prompt_tokens, hashes, full)
+        if self.predicted is not None:
+            self.predicted.record(slot, hashes)
+        if self.recent is not None:
+            self.recent.add(slot, prompt_tokens - cached[slot])
+        return self._admit(slot, prompt_tokens, cached[slot], reason, estimated=estimated(request))
+
+    def _cached_tokens(self, hashes: list[int], block: int, prompt_tokens: int) -> list[int]:
+        slots = self.load.slots
+        if not hashes:
+            return [0] * slots
+        predicted = self.predicted.match(hashes) if self.predicted is not None else [0] * slots
+        found = self.view.match(hashes)
+        if found is None:
+            blocks = [float(depth) for depth in predicted]
+        else:
+            weight = self.config.offloaded_hit_weight
+            blocks = [
+                max(dev, pred) + weight * max(0, tier - max(dev, pred))
+                for dev, tier, pred in zip(found.device, found.any_tier, predicted, strict=True)
+            ]
+        # vLLM always computes a prompt's last token, even when every block is cached, and it
+        # hits whole blocks only: a fully cached prompt recomputes its last block.
+        limit = (prompt_tokens - 1) // block * block
+        return [min(int(b * block), limit) for b in blocks]
+
+    def _choose(
+        self,
+        cached: list[int],
+        prompt_tokens: int,
+        hashes: list[int],
+        full: AbstractSet[int] = frozenset(),
+    ) -> tuple[int, str]:
+        load = self.load
+        wp, wd = self.config.prefill_weight, self.config.decode_weight
+        costs = [
+            wp * (prompt_tokens - cached[slot] + load.prefill_tokens[slot])
+            + wd * load.decode_tokens[slot]
+            for slot in range(load.slots)
+        ]
+        if self.recent is not None:
+            wr = self.config.recent_weight
+            for slot, tokens in enumerate(self.recent.current()):
+                costs[slot] += wr * tokens
+        room = self._with_room(full)
+        least = min(load.in_flight[slot] for slot in room)
+        ceiling = least + self.config.hot_spill_requests
+        eligible = [slot for slot in room if load.in_flight[slot] <= ceiling]
+        best_cost = min(costs[slot] for slot in eligible)
+        tied = [slot for slot in eligible if costs[slot] <= best_cost + 1e-9]
+        if len(tied) == 1:
+            chosen = tied[0]
+        elif hashes:
+            chosen = tied[hashes[0] % len(tied)]
+        else:
+            chosen = self._rotate(tied)
+        reason = "best"
+        overall = min(costs)
+        if costs[chosen] > overall + 1e-9:
+            if len(room) < load.slots and min(costs[slot] for slot in room) > overall + 1e-9:
+                reason = "spill_capacity"
+                self._spill_full.inc()
+            else:
+                reason = "spill_hot"
+                self._spill_hot.inc()
+        return chosen, reason

@@ -1,0 +1,164 @@
+"""What every policy that picks a rank itself shares: the engine's topology, the load view,
+client pins and the routing metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
+
+import msgspec
+
+from rankgate.sidecar.errors import EngineUnavailable, InvalidRequest
+from rankgate.sidecar.routing.base import RouteDecision, RouteTicket
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.load import LoadTracker
+from rankgate.sidecar.routing.metrics import RankCounts, RankSnapshot, RoutingMetrics
+from rankgate.sidecar.routing.shared_load import SharedLoadBoard
+from rankgate.sidecar.types import EngineInfo, KvEventSource, PreparedRequest
+
+
+class Topology(msgspec.Struct, frozen=True):
+    ranks: tuple[int, ...]
+    block_size: int
+    device_blocks: tuple[int, ...]
+    max_running: tuple[int, ...]
+    sources: tuple[KvEventSource, ...]
+
+
+def topology_of(info: EngineInfo) -> Topology:
+    by_rank = {cap.rank: cap for cap in info.capacity}
+    device = tuple(by_rank[r].kv_blocks if r in by_rank else 0 for r in info.ranks)
+    running = tuple(by_rank[r].max_running_requests if r in by_rank else 0 for r in info.ranks)
+    return Topology(info.ranks, info.block_size, device, running, info.kv_event_sources)
+
+
+class RankedRouter:
+    """Shared by the policies that pick a rank: topology, load view, pins and metrics."""
+
+    name: str = ""
+
+    def __init__(self, config: RoutingConfig, metrics: RoutingMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.topology: Topology | None = None
+        self.slots: dict[int, int] = {}
+        self.load = LoadTracker(())
+        self.shared_load: SharedLoadBoard | None = None
+        self._counts: list[RankCounts] = []
+        self._rotation = 0
+
+    def configure(self, info: EngineInfo) -> None:
+        topology = topology_of(info)
+        if topology == self.topology:
+            return
+        self.topology = topology
+        self.slots = {rank: slot for slot, rank in enumerate(topology.ranks)}
+        self.load = LoadTracker(topology.max_running, self.shared_load, topology.ranks)
+        self._counts = [self.metrics.tally.bind(self.name, str(rank)) for rank in topology.ranks]
+        self._on_configure(info, topology)
+        self.metrics.set_view(self.snapshot)
+
+    def _on_configure(self, info: EngineInfo, topology: Topology) -> None:
+        return None
+
+    def route(
+        self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
+    ) -> RouteTicket:
+        raise NotImplementedError
+
+    def sent(self) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def snapshot(self) -> Iterator[RankSnapshot]:
+        topology = self.topology
+        if topology is None:
+            return
+        load = self.load
+        load.sync()
+        for slot, rank in enumerate(topology.ranks):
+            device, offloaded, predicted = self._index_sizes(slot)
+            yield RankSnapshot(
+                rank=rank,
+                device_blocks=device,
+                offloaded_blocks=offloaded,
+                predicted_blocks=predicted,
+                in_flight=load.in_flight[slot],
+                prefill_tokens=load.prefill_tokens[slot],
+                decode_tokens=load.decode_tokens[slot],
+            )
+
+    def _index_sizes(self, slot: int) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+    def _pinned_slot(self, request: PreparedRequest) -> int | None:
+        if request.rank is None:
+            return None
+        slot = self.slots.get(request.rank)
+        if slot is None:
+            raise InvalidRequest(
+                f"data-parallel rank {request.rank} is not served here; ranks: {list(self.slots)}"
+            )
+        return slot
+
+    def _require_topology(self) -> Topology:
+        if self.topology is None:
+            raise EngineUnavailable("the router has not been configured with an engine yet")
+        return self.topology
+
+    def _admit(
+        self,
+        slot: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        reason: str,
+        *,
+        estimated: bool = False,
+    ) -> RouteTicket:
+        topology = self._require_topology()
+        decision = RouteDecision(
+            rank=topology.ranks[slot],
+            cached_tokens=cached_tokens,
+            prompt_tokens=prompt_tokens,
+            policy=self.name,
+            reason=reason,
+            estimated=estimated,
+        )
+        counts = self._counts[slot]
+        counts.routed[0] += 1
+        counts.prompt[0] += prompt_tokens
+        counts.cached[0] += cached_tokens
+        if prompt_tokens:
+            self.metrics.tally.ratio.observe(cached_tokens / prompt_tokens)
+        return self.load.admit(slot, decision, prompt_tokens - cached_tokens, prompt_tokens)
+
+    def _rotate(self, candidates: list[int]) -> int:
+        self._rotation += 1
+        return candidates[self._rotation % len(candidates)]
+
+    def _with_room(self, full: AbstractSet[int] = frozenset()) -> list[int]:
+        """Slots whose rank has an admission slot left (all of them when none has), those
+        below ``max_running_requests`` first."""
+        load = self.load
+        if full and self.topology is not None:
+            ranks = self.topology.ranks
+            slots = [slot for slot in range(load.slots) if ranks[slot] not in full]
+            if slots:
+                return [slot for slot in slots if load.has_room(slot)] or slots
+        room = [slot for slot in range(load.slots) if load.has_room(slot)]
+        return room or list(range(load.slots))
+
+
+def estimated(request: PreparedRequest) -> bool:
+    """Whether the prompt's length counts some image as one token, its size not yet known."""
+    return any(item.num_tokens is None for item in request.media)
+
+
+def prompt_tokens(request: PreparedRequest) -> int:
+    extra = sum(max((item.num_tokens or 1) - 1, 0) for item in request.media)
+    return len(request.prompt_token_ids) + extra
