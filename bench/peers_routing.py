@@ -67,7 +67,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(peers.ROOT))
 
-from rankgate.mocker.testing import running_mock_engine
 from tests.routing.workload import (
     VOCAB,
     GatewayClient,
@@ -79,6 +78,7 @@ from tests.routing.workload import (
     _unique,
     engine_config,
 )
+from tests.support.mock_engine import running_mock_engine
 from tests.support.placement import SHARED, Placement, fair_placement
 
 RANKGATE_POLICIES = ("kv", "load", "round_robin", "engine")

@@ -129,7 +129,7 @@ def sessions(shape: Shape, rate: float, seconds: float, seed: int) -> list[Sessi
 
 
 def _engine_process(config: MockEngineConfig, conn: Connection) -> None:
-    from rankgate.mocker.testing import running_mock_engine
+    from tests.support.mock_engine import running_mock_engine
 
     with running_mock_engine(config) as handle:
         conn.send("ready")

@@ -3,7 +3,7 @@
 With it the gateway answers out of the box: a DP=2 engine with KV events on, on free loopback
 ports, serving the small tokenizer shipped in this package (or the operator's), on a thread of
 the gateway's own process. This is the one entry point the product uses; tests and benches
-start the mock through :mod:`mocker.testing` instead.
+start the mock through ``tests/support/mock_engine.py`` instead.
 """
 
 from __future__ import annotations

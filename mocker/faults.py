@@ -1,6 +1,6 @@
 """Faults on demand: the ways a real vLLM misbehaves, switched on by flags or by tests.
 
-Everything here runs on the server's event loop; :class:`~mocker.testing.MockEngineHandle`
+Everything here runs on the server's event loop; the test handle (``tests/support/mock_engine.py``)
 forwards calls from other threads.
 """
 

@@ -1,7 +1,8 @@
 """Run a :class:`~mocker.server.MockServer` on a thread and event loop of its own.
 
-The gateway's demo engine (:mod:`mocker.demo`) and the test handle (:mod:`mocker.testing`)
-both run the mock this way, beside a caller whose own loop (or none) must not be disturbed.
+The gateway's demo engine (:mod:`mocker.demo`) and the test handle
+(``tests/support/mock_engine.py``) both run the mock this way, beside a caller whose own loop
+(or none) must not be disturbed.
 """
 
 from __future__ import annotations

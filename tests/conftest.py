@@ -157,7 +157,7 @@ def real_pd(real_engines: RealEngines) -> RealVllmPair:
 @pytest.fixture(scope="session")
 def mock_vllm() -> Iterator[EngineUnderTest]:
     from rankgate.mocker.config import MockEngineConfig
-    from rankgate.mocker.testing import running_mock_engine
+    from tests.support.mock_engine import running_mock_engine
 
     config = MockEngineConfig(
         host="127.0.0.1",

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("app", "sidecar", "multimodal", "mocker")
 NAMESPACE = "rankgate"
 # Only tests and benches start the mock through its test handle.
-TEST_ONLY = ("rankgate.mocker.testing",)
+TEST_ONLY = ("tests.support.mock_engine",)
 # Lower layers never reach up.
 NEVER = {
     "sidecar": ("rankgate.app", "rankgate.mocker"),
@@ -47,20 +47,24 @@ def product_modules() -> list[Path]:
         path
         for package in PRODUCT
         for path in (ROOT / package).rglob("*.py")
-        if "proto" not in path.relative_to(ROOT).parts and path.name != "testing.py"
+        if "proto" not in path.relative_to(ROOT).parts
     )
 
 
 def test_imports_are_read_from_source(tmp_path: Path) -> None:
     module = tmp_path / "module.py"
     module.write_text(
-        "import os.path\nfrom rankgate.mocker import testing\n"
-        "def later():\n    from rankgate.mocker.testing import running_mock_engine\n"
+        "import os.path\nfrom rankgate.mocker import config\n"
+        "def later():\n    from tests.support.mock_engine import running_mock_engine\n"
     )
     names = imports_of(module)
-    expected = {"rankgate.mocker.testing", "rankgate.mocker.testing.running_mock_engine"}
+    expected = {
+        "rankgate.mocker.config",
+        "tests.support.mock_engine",
+        "tests.support.mock_engine.running_mock_engine",
+    }
     assert {"os.path", *expected} <= names
-    assert any(_reaches(name, "rankgate.mocker.testing") for name in names)
+    assert any(_reaches(name, "tests.support.mock_engine") for name in names)
 
 
 @pytest.mark.parametrize("path", product_modules(), ids=lambda p: str(p.relative_to(ROOT)))

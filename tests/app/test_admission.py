@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from rankgate.mocker.testing import MockEngineHandle
 from rankgate.sidecar.admission import GROUP, AdmissionConfig
 from tests.chaos.harness import (
     Gateway,
@@ -24,6 +23,7 @@ from tests.chaos.harness import (
     raw_stream_request,
     refuse_on_rank,
 )
+from tests.support.mock_engine import MockEngineHandle
 
 pytestmark = pytest.mark.timeout(90)
 

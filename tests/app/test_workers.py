@@ -20,9 +20,9 @@ import orjson
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import running_mock_engine
 from tests.app.test_metrics import value
 from tests.conftest import TINY_TOKENIZER
+from tests.support.mock_engine import running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import running_mock_engine
 from tests.app.test_metrics import value
 from tests.app.test_workers import ROOT, Gateway, _wait_ready
 from tests.conftest import TINY_TOKENIZER
+from tests.support.mock_engine import running_mock_engine
 from tests.support.polling import wait_until
 from tests.support.ports import free_port, free_port_range
 

@@ -18,10 +18,10 @@ from fastapi import FastAPI
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from rankgate.sidecar.admission import Admission
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 MODEL = "chaos-llm"

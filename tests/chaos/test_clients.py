@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from rankgate.mocker.testing import MockEngineHandle
 from rankgate.sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
@@ -21,6 +20,7 @@ from tests.chaos.harness import (
     raw_stream_request,
     stream,
 )
+from tests.support.mock_engine import MockEngineHandle
 
 pytestmark = pytest.mark.timeout(90)
 HANGUPS = 40

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rankgate.mocker.testing import running_mock_engine
 from rankgate.sidecar.routing.config import RoutingConfig
 from tests.chaos.harness import (
     Gateway,
@@ -27,6 +26,7 @@ from tests.chaos.harness import (
     refuse_on_rank,
     stream,
 )
+from tests.support.mock_engine import running_mock_engine
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,10 +23,10 @@ import grpc
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from rankgate.sidecar.proto.vllm import inference_pb2
 from tests.conformance import helpers
 from tests.conftest import TINY_TOKENIZER
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.polling import wait_until, wait_until_or_not
 from tests.support.ports import free_port
 from tests.support.real_vllm import KV_LEASE_S, LEASE_ENDED, RealVllm, RealVllmPair

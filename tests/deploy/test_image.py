@@ -30,8 +30,8 @@ import httpx
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from tests.deploy.dockerfile import Dockerfile, Stage, parse
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]

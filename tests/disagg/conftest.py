@@ -10,10 +10,10 @@ from typing import Any
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, RankStats, running_mock_engine
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
+from tests.support.mock_engine import MockEngineHandle, RankStats, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 MODEL = "tiny-llama"

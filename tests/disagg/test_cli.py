@@ -12,9 +12,9 @@ import pytest
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
-from rankgate.mocker.testing import running_mock_engine
 from tests.app.serving import serve_app
 from tests.disagg.conftest import chat_body, engine_config
+from tests.support.mock_engine import running_mock_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rankgate.mocker.testing import running_mock_engine
 from rankgate.sidecar.admission import Admission, AdmissionConfig
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
@@ -34,6 +33,7 @@ from rankgate.sidecar.types import (
     StoppingParams,
 )
 from tests.disagg.conftest import Pair, engine_config, engine_pair
+from tests.support.mock_engine import running_mock_engine
 
 # Slow enough to cancel inside each phase on a busy machine: a 200-token prompt prefills for
 # about 2 s, and a decode waits the configured transfer time for its KV.

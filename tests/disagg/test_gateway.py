@@ -17,12 +17,12 @@ import pytest
 
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
-from rankgate.mocker.testing import running_mock_engine
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.disagg.conftest import MODEL, Pair, chat_body, engine_config, engine_pair, gateway_url
 from tests.multimodal.pictures import data_uri, encode, noise
+from tests.support.mock_engine import running_mock_engine
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from rankgate.sidecar.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "mocker" / "assets" / "tiny-tokenizer"

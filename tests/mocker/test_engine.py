@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from rankgate.mocker.testing import MockEngineHandle
 from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
+from tests.support.mock_engine import MockEngineHandle
 
 
 def ttft(client: Client, tokens: list[int], rank: int) -> float:

@@ -10,9 +10,9 @@ import msgpack
 import zmq
 from PIL import Image
 
-from rankgate.mocker.testing import MockEngineHandle
 from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
+from tests.support.mock_engine import MockEngineHandle
 
 IMAGE_TOKEN = 5
 

@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from rankgate.mocker.config import ConfigError, MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle
 from rankgate.sidecar.proto.vllm import control_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
+from tests.support.mock_engine import MockEngineHandle
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from rankgate.mocker.h2server import H2Server
-from rankgate.mocker.testing import MockEngineHandle
 from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
+from tests.support.mock_engine import MockEngineHandle
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8

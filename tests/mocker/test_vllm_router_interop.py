@@ -25,8 +25,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 ROUTER = shutil.which("vllm-router") or str(

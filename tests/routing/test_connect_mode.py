@@ -20,7 +20,6 @@ from prometheus_client import CollectorRegistry
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import KvEventSource
@@ -30,6 +29,7 @@ from tests.conftest import TINY_TOKENIZER
 from tests.routing.conftest import BLOCK, engine_info, prepared, sample, until
 from tests.routing.publisher import TestPublisher, encode_batch, stored
 from tests.routing.test_gateway_routing import Rig
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 MODEL = "connect-llm"

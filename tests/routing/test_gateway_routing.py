@@ -24,12 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from tests.app.serving import serve_app
 from tests.app.test_route_header import route_of, served_on
 from tests.conftest import TINY_TOKENIZER
 from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.engines import EngineUnderTest
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 MODEL = "routing-llm"

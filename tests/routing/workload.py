@@ -28,12 +28,12 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import running_mock_engine
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
+from tests.support.mock_engine import running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 # The tiny tokenizer the gateway and the engine share has 3,072 ids.

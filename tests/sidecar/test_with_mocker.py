@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.mocker.testing import MockEngineHandle, running_mock_engine
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.errors import (
@@ -29,6 +28,7 @@ from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import SamplingParams, StoppingParams
 from tests.sidecar.fake_vllm import collect, eventually, request
 from tests.sidecar.routers import FixedRouter
+from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port
 
 BASE = MockEngineConfig(
