@@ -26,7 +26,8 @@ rank's share of the prefill work (uncached prompt tokens) and of the requests, a
 a fair share (1.00 = even).
 
     scripts/in-netns .venv/bin/python bench/production_routing.py --dp 4 8 16 --load 0.7 0.9 \
-        [--rounds 2] [--seconds 40] [--long] [--markdown]
+        [--rounds 2] [--seconds 40] [--long] [--markdown] \
+        [--variant 'spread=--route-hot-spill-requests 4' ...]
 """
 
 from __future__ import annotations
@@ -351,14 +352,21 @@ async def calibrate(
 Starter = Callable[[ExitStack, peers.Engine], peers.Gateway]
 
 
-def _rankgate(stack: ExitStack, engine: peers.Engine, policy: str) -> peers.Gateway:
-    return peers.start_rankgate(stack, engine, policy)
+def _rankgate(
+    stack: ExitStack, engine: peers.Engine, policy: str, extra: Sequence[str] = ()
+) -> peers.Gateway:
+    return peers.start_rankgate(stack, engine, policy, extra)
 
 
-def starters(policies: Sequence[str]) -> dict[str, Starter]:
+def starters(policies: Sequence[str], variants: Sequence[str] = ()) -> dict[str, Starter]:
     found: dict[str, Starter] = {}
     for policy in policies:
         found[f"rankgate {policy}"] = functools.partial(_rankgate, policy=policy)
+    for variant in variants:
+        name, _, flags = variant.partition("=")
+        found[f"rankgate {name}"] = functools.partial(
+            _rankgate, policy="kv", extra=tuple(flags.split())
+        )
     found["vllm-router kv_aware"] = lambda s, e: peers.start_vllm_router(s, e, "kv_aware")
     found["round_robin"] = lambda s, e: peers.start_rankgate(s, e, "round_robin")
     return found
@@ -417,7 +425,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> str:
     )
     systems = system_prompts(shape)
     model_dir = peers.model_dir(work_dir)
-    targets = starters(args.policy)
+    targets = starters(args.policy, args.variant)
     rows: list[list[str]] = []
     for dp in args.dp:
         rate_full = args.session_rate
@@ -459,6 +467,13 @@ def main() -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--load", type=float, nargs="+", default=[0.7, 0.9])
     parser.add_argument("--policy", nargs="+", default=["kv"], help="Rankgate policies")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also run Rankgate's kv policy with these gateway flags, as target 'rankgate NAME'",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=40.0, help="arrival window per run")
     parser.add_argument("--speed", type=float, default=0.5, help="mock timing (1.0 = GPU-like)")
