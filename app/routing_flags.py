@@ -82,6 +82,27 @@ TUNABLES: tuple[Tunable, ...] = (
         "seconds over which a rank's recent prefill work fades by half",
     ),
     Tunable(
+        "--route-share-weight",
+        "share_weight",
+        float,
+        "cost per request a rank was sent lately beyond the slack above the ranks' mean, in "
+        "prompt tokens: "
+        "spreads a hot prefix to more ranks before its first saturates (0: off)",
+    ),
+    Tunable(
+        "--route-share-half-life",
+        "share_half_life",
+        float,
+        "seconds over which the requests a rank was sent lately fade by half",
+    ),
+    Tunable(
+        "--route-share-slack",
+        "share_slack",
+        float,
+        "requests a rank may have been sent lately above the ranks' mean before the share "
+        "term counts them",
+    ),
+    Tunable(
         "--route-predict-ttl",
         "predict_ttl",
         float,

@@ -7,7 +7,8 @@ in interleaved rounds so that the machine's drift falls on all of them alike:
 - ``rankgate kv`` (and any other ``--policy``), Rankgate's own routers;
 - ``vllm-router kv_aware``, fed by the same KV events, and ``round_robin`` as the floor.
 
-The workload, the same for every target of a configuration (one seed):
+The workload (``tests/support/sessions.py``), the same for every target of a configuration
+(one seed):
 
 - sessions arrive as a Poisson process; each opens with one of ``--prompts`` long system prompts,
   drawn with Zipf skew ``--zipf`` (1.3 over 64 prompts gives the most popular about a third of
@@ -34,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import dataclasses
 import functools
-import itertools
 import math
 import multiprocessing
 import random
@@ -54,75 +53,9 @@ import peers
 
 from rankgate.mocker.config import MockEngineConfig
 from tests.support.ports import free_port, free_port_range
+from tests.support.sessions import Session, Shape, one_session, sessions, system_prompts, zipf_table
 
-VOCAB = (100, 3000)
 BLOCK = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    prompts: int = 64
-    zipf: float = 1.3
-    system_tokens: tuple[int, int] = (1024, 3072)
-    user_tokens: tuple[int, int] = (64, 256)
-    output_tokens: tuple[int, int] = (16, 48)
-    turns: float = 3.0
-    think_seconds: float = 0.5
-    seed: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Session:
-    start: float
-    system: int
-    # Per turn: the new user message and the stand-in for the model's previous answer.
-    messages: tuple[tuple[int, ...], ...]
-    answers: tuple[tuple[int, ...], ...]
-    pauses: tuple[float, ...]
-    outputs: tuple[int, ...]
-
-
-def _tokens(rng: random.Random, count: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(*VOCAB) for _ in range(count))
-
-
-def system_prompts(shape: Shape) -> list[tuple[int, ...]]:
-    rng = random.Random(shape.seed)
-    return [_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.prompts)]
-
-
-def zipf_table(shape: Shape) -> list[float]:
-    weights = [1.0 / (i + 1) ** shape.zipf for i in range(shape.prompts)]
-    total = sum(weights)
-    return list(itertools.accumulate(w / total for w in weights))
-
-
-def one_session(
-    shape: Shape, rng: random.Random, cumulative: Sequence[float], at: float
-) -> Session:
-    turns = 1
-    while rng.random() > 1.0 / shape.turns:
-        turns += 1
-    return Session(
-        start=at,
-        system=min(bisect.bisect_left(cumulative, rng.random()), shape.prompts - 1),
-        messages=tuple(_tokens(rng, rng.randint(*shape.user_tokens)) for _ in range(turns)),
-        answers=tuple(_tokens(rng, rng.randint(*shape.output_tokens)) for _ in range(turns)),
-        pauses=tuple(rng.expovariate(1.0 / shape.think_seconds) for _ in range(turns)),
-        outputs=tuple(rng.randint(*shape.output_tokens) for _ in range(turns)),
-    )
-
-
-def sessions(shape: Shape, rate: float, seconds: float, seed: int) -> list[Session]:
-    """The sessions starting in ``seconds`` at ``rate`` a second; the same for every target."""
-    rng = random.Random(seed)
-    cumulative = zipf_table(shape)
-    out: list[Session] = []
-    at = rng.expovariate(rate)
-    while at < seconds:
-        out.append(one_session(shape, rng, cumulative, at))
-        at += rng.expovariate(rate)
-    return out
 
 
 # The engine runs in a process of its own, so that the load generator's work does not slow

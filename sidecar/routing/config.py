@@ -27,6 +27,14 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     # seconds (0: only what is in flight counts).
     recent_weight: float = 0.1
     recent_half_life: float = 2.0
+    # Cost per request a rank was sent lately beyond ``share_slack`` standard deviations above
+    # the ranks' mean (counts taken as Poisson: the deviation is the mean's square root),
+    # fading by half every ``share_half_life`` seconds (0: off): what spreads a hot prefix
+    # before its rank saturates. The slack keeps chance and a handful of requests from
+    # counting as hot.
+    share_weight: float = 300.0
+    share_half_life: float = 10.0
+    share_slack: float = 1.0
     # Seconds a routed prompt is believed cached on its rank: without KV events, and while
     # waiting for the events of a prompt just routed (0: trust the events alone).
     predict_ttl: float = 120.0
@@ -54,6 +62,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("recent_weight must be >= 0")
         if self.recent_half_life <= 0:
             raise ValueError("recent_half_life must be positive")
+        if self.share_weight < 0:
+            raise ValueError("share_weight must be >= 0")
+        if self.share_half_life <= 0:
+            raise ValueError("share_half_life must be positive")
+        if self.share_slack < 0:
+            raise ValueError("share_slack must be >= 0")
         if self.predict_ttl <= 0:
             raise ValueError("predict_ttl must be positive")
         if self.pending_ttl < 0:

@@ -183,8 +183,9 @@ def test_model_name_is_checked_before_the_engine_sees_anything() -> None:
 def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) -> None:
     """Batches lost on the wire (a sequence gap, refilled from replay) or a publisher restart
     (sequence back to 0): the prefix index must still learn where a prefix lives. Predictions
-    are off, so only the KV events can tell the router where the prefix is."""
-    events_only = RoutingConfig(pending_ttl=0.0)
+    are off, so only the KV events can tell the router where the prefix is (and the share term,
+    which the pinned requests would tip, is off)."""
+    events_only = RoutingConfig(pending_ttl=0.0, share_weight=0.0)
     with mock_engine(speed=0.0) as handle, gateway(handle, routing=events_only) as gw:
         prefix = " ".join(f"alpha{i} beta{i}" for i in range(60))
         other = " ".join(f"gamma{i}" for i in range(60))

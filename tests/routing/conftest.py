@@ -26,6 +26,8 @@ from rankgate.sidecar.types import (
 from tests.routing.publisher import TestPublisher
 
 BLOCK = 4
+# The rigs' routers weigh one thing at a time; the share term has tests of its own.
+UNSHARED = RoutingConfig(share_weight=0)
 
 
 def engine_info(
@@ -147,11 +149,11 @@ async def event_rig(
             first = SharedLoadBoard.create(2)
             second = SharedLoadBoard.attach(first.name, 2, 1)
             boards[:0] = [second, first]
-            intake_router = build_router(config or RoutingConfig(), registry, first)
+            intake_router = build_router(config or UNSHARED, registry, first)
             made.append((intake_router, []))
             intake_router.configure(info)
             await intake_router.start()
-        router = build_router(config or RoutingConfig(), registry, boards[0] if boards else None)
+        router = build_router(config or UNSHARED, registry, boards[0] if boards else None)
         made.append((router, publishers))
         router.configure(info)
         await router.start()

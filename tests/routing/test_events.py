@@ -15,7 +15,7 @@ from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample, until
 from tests.routing.publisher import cleared, removed, stored
 
 # No bridging predictions: each probe sees exactly what the events announced.
-PROBE = RoutingConfig(pending_ttl=0)
+PROBE = RoutingConfig(share_weight=0, pending_ttl=0)
 
 P = list(range(1000, 1016))  # four blocks
 msgpack_encoder = msgspec.msgpack.Encoder()
@@ -210,7 +210,9 @@ async def test_both_envelope_and_event_shapes(
 
 
 async def test_offloaded_blocks_count_partially(event_rig: RigFactory) -> None:
-    rig = await event_rig(config=RoutingConfig(pending_ttl=0, offloaded_hit_weight=0.5))
+    rig = await event_rig(
+        config=RoutingConfig(share_weight=0, pending_ttl=0, offloaded_hit_weight=0.5)
+    )
     rank0, rank1 = rig.publishers
     rank0.publish([stored([161, 162, 163, 164], P, block_size=BLOCK, medium="CPU")])
     rank1.publish([stored([171], blocks(P, 0, 1), block_size=BLOCK)])
@@ -255,7 +257,9 @@ async def test_subscriber_reconnects_to_a_restarted_publisher(event_rig: RigFact
 
 
 async def test_batches_published_together_are_drained_in_one_turn(event_rig: RigFactory) -> None:
-    rig = await event_rig(config=RoutingConfig(pending_ttl=0, intake=IntakeSettings(coalesce=0.3)))
+    rig = await event_rig(
+        config=RoutingConfig(share_weight=0, pending_ttl=0, intake=IntakeSettings(coalesce=0.3))
+    )
     rank0, rank1 = rig.publishers
     rank0.publish([stored([201], blocks(P, 0, 1), block_size=BLOCK)])
     await rig.settle(0, 1)
@@ -273,7 +277,9 @@ async def test_batches_published_together_are_drained_in_one_turn(event_rig: Rig
 async def test_an_idle_intake_sleeps_until_it_is_stopped(event_rig: RigFactory) -> None:
     """No timer wakes the thread while nothing arrives and no deadline is due, and closing the
     router wakes it at once (a worker that polled would spend CPU doing nothing)."""
-    rig = await event_rig(config=RoutingConfig(pending_ttl=0, intake=IntakeSettings(coalesce=0)))
+    rig = await event_rig(
+        config=RoutingConfig(share_weight=0, pending_ttl=0, intake=IntakeSettings(coalesce=0))
+    )
     rig.publishers[0].publish([stored([301], blocks(P, 0, 1), block_size=BLOCK)])
     await rig.settle(0, 1)
     woken = sample(rig.registry, "rankgate_kv_event_turns_total")

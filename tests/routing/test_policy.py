@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rankgate.sidecar.errors import EngineUnavailable, InvalidRequest
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
+from rankgate.sidecar.routing.metrics import routing_metrics
 from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import MediaInput
 from tests.routing.conftest import BLOCK, RigFactory, engine_info, prepared, sample
@@ -17,11 +18,11 @@ from tests.routing.publisher import stored
 
 P = list(range(1000, 1016))
 TAIL = [7]
-PROBE = RoutingConfig(pending_ttl=0)
+PROBE = RoutingConfig(share_weight=0, pending_ttl=0)
 
 
 async def test_hot_prefix_spills_to_the_least_busy_rank(event_rig: RigFactory) -> None:
-    rig = await event_rig(config=RoutingConfig(pending_ttl=0, hot_spill_requests=2))
+    rig = await event_rig(config=RoutingConfig(share_weight=0, pending_ttl=0, hot_spill_requests=2))
     rig.publishers[0].publish([stored([1, 2, 3, 4], P, block_size=BLOCK)])
     await rig.settle(0, 1)
 
@@ -40,7 +41,7 @@ async def test_hot_prefix_spills_to_the_least_busy_rank(event_rig: RigFactory) -
 
 
 async def test_no_rank_above_capacity_while_another_has_room(event_rig: RigFactory) -> None:
-    config = RoutingConfig(pending_ttl=0, hot_spill_requests=100)
+    config = RoutingConfig(share_weight=0, pending_ttl=0, hot_spill_requests=100)
     rig = await event_rig(config=config, max_running=2)
     rig.publishers[0].publish([stored([1, 2, 3, 4], P, block_size=BLOCK)])
     await rig.settle(0, 1)
@@ -56,7 +57,7 @@ async def test_no_rank_above_capacity_while_another_has_room(event_rig: RigFacto
 
 
 async def test_cost_trades_cached_prefix_against_queued_prefill() -> None:
-    router = build_router(RoutingConfig(decode_weight=0.0), CollectorRegistry())
+    router = build_router(RoutingConfig(share_weight=0, decode_weight=0.0), CollectorRegistry())
     router.configure(engine_info((0, 1)))
     long_prompt = list(range(100, 400))
     first = router.route(prepared(long_prompt, "a"))
@@ -95,7 +96,7 @@ async def test_a_prefix_every_prompt_shares_does_not_herd_new_conversations(
     assert ranks.count(0) == ranks.count(1) == 4
 
     # Without the recent-work term the header alone decides: all of them go to rank 0.
-    herd = await event_rig(config=RoutingConfig(pending_ttl=0, recent_weight=0))
+    herd = await event_rig(config=RoutingConfig(share_weight=0, pending_ttl=0, recent_weight=0))
     herd.publishers[0].publish([stored([1], P, block_size=BLOCK)])
     # The registry is shared with the first rig, whose batch counted already.
     await herd.settle(0, 2)
@@ -108,7 +109,7 @@ async def test_a_prefix_every_prompt_shares_does_not_herd_new_conversations(
 async def test_recent_work_fades_and_never_outweighs_a_long_cached_prefix(
     event_rig: RigFactory,
 ) -> None:
-    config = RoutingConfig(pending_ttl=0, recent_half_life=0.2)
+    config = RoutingConfig(share_weight=0, pending_ttl=0, recent_half_life=0.2)
     rig = await event_rig(config=config)
     history = list(range(3000, 3000 + 8 * BLOCK))
     rig.publishers[0].publish([stored(list(range(10, 18)), history, block_size=BLOCK)])
@@ -129,8 +130,50 @@ async def test_recent_work_fades_and_never_outweighs_a_long_cached_prefix(
     assert recent.current()[0] <= before / 4 * 1.05
 
 
+async def test_a_rank_sent_more_than_its_share_opens_a_second_copy_of_a_hot_prefix() -> None:
+    now = [0.0]
+    config = RoutingConfig(
+        decode_weight=0.0,
+        recent_weight=0.0,
+        share_weight=10.0,
+        share_half_life=5.0,
+        share_slack=0.0,
+    )
+    router = KvRouter(config, routing_metrics(CollectorRegistry()), lambda: now[0])
+    router.configure(engine_info((0, 1)))
+    system = list(range(1000, 1064))
+    history = [*system, *range(2000, 2400)]
+    first = router.route(prepared([*history, 1], "history"))
+    first.finished()
+    holder = first.decision.rank
+    assert holder is not None
+
+    def conversation(n: int) -> tuple[int | None, int]:
+        ticket = router.route(prepared([*system, *range(5000 + 8 * n, 5008 + 8 * n)], f"c{n}"))
+        ticket.finished()
+        return ticket.decision.rank, ticket.decision.cached_tokens
+
+    # The holder answers new conversations cheaply until its surplus of recent requests
+    # (half of them, with two ranks) outweighs a cold prefill of the 64-token prompt.
+    ranks = [conversation(n)[0] for n in range(12)]
+    assert ranks == [holder] * 12
+    rank, cached = conversation(12)
+    assert (rank, cached) == (1 - holder, 0)
+    # The new copy serves the next conversations from its cache while the holder's surplus
+    # lasts.
+    assert [conversation(n) for n in range(13, 17)] == [(1 - holder, len(system))] * 4
+    # A conversation with a long cached history stays where it is, surplus or not.
+    ticket = router.route(prepared([*history, 2], "turn"))
+    assert ticket.decision.rank == holder
+    assert ticket.decision.cached_tokens == len(history) // BLOCK * BLOCK
+    # The surplus fades: ten half-lives later the holder is as cheap as ever.
+    now[0] += 50.0
+    assert router.shares is not None
+    assert max(router.shares.current()) < 0.02
+
+
 async def test_decode_load_counts_after_first_token() -> None:
-    config = RoutingConfig(prefill_weight=1.0, decode_weight=1.0)
+    config = RoutingConfig(share_weight=0, prefill_weight=1.0, decode_weight=1.0)
     router = build_router(config, CollectorRegistry())
     router.configure(engine_info((0, 1)))
     big = router.route(prepared(list(range(3000)), "big"))
@@ -143,7 +186,7 @@ async def test_decode_load_counts_after_first_token() -> None:
 
 
 async def test_client_pin_is_honoured_and_counted(registry: CollectorRegistry) -> None:
-    router = build_router(RoutingConfig(decode_weight=0.1), registry)
+    router = build_router(RoutingConfig(share_weight=0, decode_weight=0.1), registry)
     router.configure(engine_info((4, 5, 6)))
     ticket = router.route(prepared(list(range(64)), rank=6))
     assert ticket.decision.rank == 6
@@ -163,7 +206,7 @@ async def test_client_pin_is_honoured_and_counted(registry: CollectorRegistry) -
 
 
 async def test_events_off_prediction_expires() -> None:
-    router = build_router(RoutingConfig(predict_ttl=0.3), CollectorRegistry())
+    router = build_router(RoutingConfig(share_weight=0, predict_ttl=0.3), CollectorRegistry())
     router.configure(engine_info((0, 1, 2, 3)))
     turn1 = list(range(500, 600))
     first = router.route(prepared(turn1, "t1"))
@@ -180,7 +223,7 @@ async def test_events_off_prediction_expires() -> None:
 async def test_ties_are_spread_by_first_block_not_rank_zero(event_rig: RigFactory) -> None:
     # Events on but silent, no bridging predictions, recent work not weighed: every rank costs
     # the same.
-    config = RoutingConfig(pending_ttl=0, recent_weight=0)
+    config = RoutingConfig(share_weight=0, pending_ttl=0, recent_weight=0)
     router = (await event_rig((0, 1, 2, 3), config=config)).router
     ranks = set()
     for start in range(0, 4000, 100):
@@ -195,7 +238,9 @@ async def test_ties_are_spread_by_first_block_not_rank_zero(event_rig: RigFactor
 
 async def test_images_fold_their_identity_into_the_blocks(event_rig: RigFactory) -> None:
     image_token = 99
-    rig = await event_rig(config=RoutingConfig(pending_ttl=0, image_token_id=image_token))
+    rig = await event_rig(
+        config=RoutingConfig(share_weight=0, pending_ttl=0, image_token_id=image_token)
+    )
     uuid_a = "a" * 64
     # Prompt as the engine saw it: 4 text tokens, the image expanded to 8 tokens, 4 text tokens.
     engine_tokens = [1, 2, 3, 4, *[image_token] * 8, 5, 6, 7, 8]
@@ -260,7 +305,7 @@ async def test_baselines() -> None:
 
 
 async def test_unconfigured_router_refuses() -> None:
-    router = build_router(RoutingConfig(), CollectorRegistry())
+    router = build_router(RoutingConfig(share_weight=0), CollectorRegistry())
     with pytest.raises(EngineUnavailable):
         router.route(prepared([1, 2, 3]))
 

@@ -44,7 +44,8 @@ async def _complete(sidecar: Sidecar, request: PreparedRequest) -> None:
 
 async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderTest) -> None:
     registry = CollectorRegistry()
-    router = build_router(RoutingConfig(pending_ttl=0), registry)
+    # The KV events alone: no predictions, and no share term (the dry runs below would tip it).
+    router = build_router(RoutingConfig(pending_ttl=0, share_weight=0), registry)
     assert isinstance(router, KvRouter)
     sidecar = Sidecar(
         SidecarConfig(endpoint=real_vllm.target, startup_timeout=120.0, health_interval=2.0),

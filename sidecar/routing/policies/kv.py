@@ -3,24 +3,40 @@
 It prices each rank like Dynamo's KV router, in prompt-token units:
 ``prefill_weight * (uncached prompt tokens + prefill already queued there)
 + decode_weight * tokens held by its requests in decode
-+ recent_weight * prompt tokens it prefilled lately`` (fading with ``recent_half_life``), and
-takes the cheapest. The last term keeps a prefix that every prompt shares from herding each
-new conversation onto one rank while the others look idle between turns
-(``bench/peers_routing.py --real`` shows the busiest rank's share of prompt tokens). Dynamo
-weighs decode like prefill; here decode counts a tenth, because a running sequence lengthens
-an engine step far less than prefilling its prompt did, and on the mocker's GPU-like timing
-the tenth gave both the best hit rate and the best TTFT (``bench/routing_workload.py``).
++ recent_weight * prompt tokens it prefilled lately`` (fading with ``recent_half_life``)
+``+ share_weight * its recent requests beyond a fair share`` (fading with
+``share_half_life``), and takes the cheapest.
+
+The recent-work term keeps a prefix that every prompt shares from herding each new
+conversation onto one rank while the others look idle between turns
+(``bench/peers_routing.py --real`` shows the busiest rank's share of prompt tokens).
+
+The share term spreads a hot prefix. The rank that holds it answers its requests cheaply, so
+it is sent more and more of them: under skewed traffic (a third of all sessions on one system
+prompt) it would take two to ten times its share of the work at DP 8 to 32 and saturate while
+the others idle. A fair share is the ranks' mean count of recent requests plus ``share_slack``
+standard deviations (counts taken as Poisson), so chance and a handful of requests never count
+as hot. A rank's surplus soon outweighs the system prompt's cold prefill elsewhere, so new
+conversations open a second copy of the prefix, while a conversation whose long history is
+cached stays put (``tests/routing/test_production_shape.py``, on the clock-free rank
+simulation of ``tests/support/rank_sim.py``).
+
+Dynamo weighs decode like prefill; here decode counts a tenth, because a running sequence
+lengthens an engine step far less than prefilling its prompt did, and on the mocker's GPU-like
+timing the tenth gave both the best hit rate and the best TTFT (``bench/routing_workload.py``).
 Two guards keep the greedy choice honest: a rank at ``max_running_requests`` is skipped while
 another has room, and a rank running ``hot_spill_requests`` more requests than the least busy
-one is skipped, so one hot prefix cannot pile every request onto one rank. A rank with no
-admission slot left (``sidecar.admission``) is never chosen while another has one. Exact ties
-go to a rank picked by the prompt's first block key, so a conversation's turns agree without
-always favouring rank 0.
+one is skipped. A rank with no admission slot left (``sidecar.admission``) is never chosen
+while another has one. Exact ties go to a rank picked by the prompt's first block key, so a
+conversation's turns agree without always favouring rank 0.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from rankgate.sidecar.routing.base import RouteTicket
@@ -45,11 +61,17 @@ class KvRouter(RankedRouter):
 
     name = "kv"
 
-    def __init__(self, config: RoutingConfig, metrics: RoutingMetrics) -> None:
-        super().__init__(config, metrics)
+    def __init__(
+        self,
+        config: RoutingConfig,
+        metrics: RoutingMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(config, metrics, clock)
         self.view = KvView(metrics, config.intake)
         self.predicted: PredictedIndex | None = None
         self.recent: RecentWork | None = None
+        self.shares: RecentWork | None = None
         self._last: tuple[PreparedRequest, PromptKeys] | None = None
         self._spill_hot = metrics.spills.labels("hot_prefix")
         self._spill_full = metrics.spills.labels("capacity")
@@ -57,8 +79,13 @@ class KvRouter(RankedRouter):
     def _on_configure(self, info: EngineInfo, topology: Topology) -> None:
         self._last = None
         self.recent = (
-            RecentWork(len(topology.ranks), self.config.recent_half_life)
+            RecentWork(len(topology.ranks), self.config.recent_half_life, self.clock)
             if self.config.recent_weight > 0
+            else None
+        )
+        self.shares = (
+            RecentWork(len(topology.ranks), self.config.share_half_life, self.clock)
+            if self.config.share_weight > 0
             else None
         )
         capacity = [max(1, blocks) for blocks in topology.device_blocks]
@@ -70,7 +97,7 @@ class KvRouter(RankedRouter):
         else:
             log.info("KV events are off: routing on load and on predictions from past routes")
             ttl = self.config.predict_ttl
-        self.predicted = PredictedIndex(capacity, ttl) if ttl > 0 else None
+        self.predicted = PredictedIndex(capacity, ttl, self.clock) if ttl > 0 else None
 
     def sent(self) -> None:
         if self.predicted is not None:
@@ -128,6 +155,8 @@ class KvRouter(RankedRouter):
             self.predicted.record(slot, hashes)
         if self.recent is not None:
             self.recent.add(slot, prompt_tokens - cached[slot])
+        if self.shares is not None:
+            self.shares.add(slot, 1.0)
         return self._admit(slot, prompt_tokens, cached[slot], reason, estimated=estimated(request))
 
     def _cached_tokens(self, hashes: list[int], block: int, prompt_tokens: int) -> list[int]:
@@ -167,6 +196,14 @@ class KvRouter(RankedRouter):
             wr = self.config.recent_weight
             for slot, tokens in enumerate(self.recent.current()):
                 costs[slot] += wr * tokens
+        if self.shares is not None:
+            ws = self.config.share_weight
+            counts = self.shares.current()
+            mean = sum(counts) / len(counts)
+            fair = mean + self.config.share_slack * math.sqrt(mean)
+            for slot, count in enumerate(counts):
+                if count > fair:
+                    costs[slot] += ws * (count - fair)
         room = self._with_room(full)
         least = min(load.in_flight[slot] for slot in room)
         ceiling = least + self.config.hot_spill_requests

@@ -3,7 +3,8 @@ client pins and the routing metrics."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 
 import msgspec
@@ -37,7 +38,14 @@ class RankedRouter:
 
     name: str = ""
 
-    def __init__(self, config: RoutingConfig, metrics: RoutingMetrics) -> None:
+    def __init__(
+        self,
+        config: RoutingConfig,
+        metrics: RoutingMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # What "lately" and "expired" are measured on (a simulation brings its own).
+        self.clock = clock
         self.config = config
         self.metrics = metrics
         self.topology: Topology | None = None

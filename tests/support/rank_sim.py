@@ -1,0 +1,471 @@
+"""A clock-free model of a data-parallel vLLM engine, driven through a real router.
+
+Routing's properties under production-shaped traffic (a hot prefix spreads before its rank
+saturates, no rank carries much more than its share) need minutes of traffic on many ranks to
+show; on the live mock engine that is minutes of wall time and a noisy machine. Here simulated
+time stands still while the router decides, so a minute of DP=16 traffic runs in seconds and
+the same seed gives the same figures on any machine.
+
+Each rank schedules as vLLM's scheduler and the mock engine do: FCFS, chunked prefill under a
+token budget per step, a bounded number of running requests, a prefix cache of whole blocks
+with LRU eviction of blocks no request holds; a step lasts the mock's GPU-like timing
+(``mocker/config.py``). Blocks stored and evicted reach the router's KV-event index at the end
+of the step that made them, as the intake delivers vLLM's events; the router's load view moves
+through its tickets (first token, finish), as on the live path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import statistics
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+
+from prometheus_client import CollectorRegistry
+
+from rankgate.sidecar.routing.base import RouteTicket
+from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.hashing import prompt_keys
+from rankgate.sidecar.routing.index import DEVICE, EventIndex
+from rankgate.sidecar.routing.metrics import routing_metrics
+from rankgate.sidecar.routing.policies.kv import KvRouter
+from rankgate.sidecar.routing.policies.ranked import RankedRouter
+from rankgate.sidecar.routing.policies.round_robin import RoundRobinRouter
+from rankgate.sidecar.types import (
+    EngineInfo,
+    KvEventSource,
+    PreparedRequest,
+    RankCapacity,
+    SamplingParams,
+    StoppingParams,
+)
+from tests.support.sessions import Session, Shape, sessions, system_prompts
+
+DEFAULTS = RoutingConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineModel:
+    dp: int = 4
+    block_size: int = 16
+    kv_blocks: int = 2048
+    max_running: int = 64
+    max_batched_tokens: int = 8192
+    # The mock engine's timing at speed 1.0, divided by ``speed``.
+    step_seconds: float = 8e-3
+    sequence_seconds: float = 60e-6
+    token_seconds: float = 50e-6
+    speed: float = 0.5
+
+    def info(self) -> EngineInfo:
+        ranks = tuple(range(self.dp))
+        return EngineInfo(
+            model_id="sim",
+            served_model_name="sim",
+            aliases=(),
+            engine_version="0.32.0",
+            instance_id="sim",
+            max_model_len=1 << 20,
+            block_size=self.block_size,
+            dp_size=self.dp,
+            ranks=ranks,
+            capacity=tuple(RankCapacity(r, self.kv_blocks, self.max_running) for r in ranks),
+            max_batched_tokens=self.max_batched_tokens,
+            supports_text_input=True,
+            supports_lora=False,
+            supports_multimodal=False,
+            reasoning_parser="",
+            tool_call_parser="",
+            # Never subscribed to: the simulation writes the index itself.
+            kv_event_sources=tuple(
+                KvEventSource(r, f"tcp://127.0.0.1:{9 + r}", None, "") for r in ranks
+            ),
+        )
+
+
+class _Request:
+    __slots__ = (
+        "arrived",
+        "computed",
+        "first_token",
+        "generated",
+        "held",
+        "keys",
+        "on_done",
+        "outputs",
+        "private",
+        "prompt",
+        "ticket",
+    )
+
+    def __init__(
+        self,
+        prompt: int,
+        keys: list[int],
+        outputs: int,
+        ticket: RouteTicket,
+        arrived: float,
+        on_done: Callable[[_Request, float], None],
+    ) -> None:
+        self.prompt = prompt
+        self.keys = keys
+        self.outputs = outputs
+        self.ticket = ticket
+        self.arrived = arrived
+        self.on_done = on_done
+        self.computed = 0
+        self.generated = 0
+        self.first_token = math.nan
+        # Keyed blocks this request holds a reference on, and blocks of its own.
+        self.held: list[int] = []
+        self.private = 0
+
+
+class _Rank:
+    def __init__(self, slot: int, model: EngineModel, index: EventIndex | None) -> None:
+        self.slot = slot
+        self.model = model
+        self.index = index
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.refs: dict[int, int] = {}
+        # Keyed blocks no request holds, least recently used first: what eviction takes.
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        self.private = 0
+        self.stepping = False
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.requests = 0
+        self.busy_seconds = 0.0
+        # The most requests it ever had waiting for admission.
+        self.deepest = 0
+
+    @property
+    def free(self) -> int:
+        return self.model.kv_blocks - len(self.refs) - self.private
+
+    def _admit(self, request: _Request) -> bool:
+        size = self.model.block_size
+        limit = (request.prompt - 1) // size
+        hits = 0
+        for key in request.keys[:limit]:
+            if key not in self.refs:
+                break
+            hits += 1
+        needed = -(-(request.prompt + request.outputs) // size) - hits
+        reclaimable = len(self.idle) - sum(1 for key in request.keys[:hits] if key in self.idle)
+        if needed > self.free + reclaimable:
+            return False
+        for key in request.keys[:hits]:
+            self._hold(key)
+        request.held = list(request.keys[:hits])
+        self._take(needed)
+        request.private = needed
+        request.computed = hits * size
+        self.prompt_tokens += request.prompt
+        self.cached_tokens += hits * size
+        self.requests += 1
+        return True
+
+    def _hold(self, key: int) -> None:
+        count = self.refs[key]
+        if count == 0:
+            del self.idle[key]
+        self.refs[key] = count + 1
+
+    def _take(self, blocks: int) -> None:
+        while self.free < blocks:
+            key, _ = self.idle.popitem(last=False)
+            del self.refs[key]
+            if self.index is not None:
+                self.index.remove(self.slot, DEVICE, key)
+        self.private += blocks
+
+    def _store(self, request: _Request, upto: int) -> None:
+        """Key the full prompt blocks computed up to token ``upto``: one event per new block."""
+        size = self.model.block_size
+        for position in range(len(request.held), min(upto // size, len(request.keys))):
+            key = request.keys[position]
+            if key in self.refs:
+                # Computed twice (two requests prefilled it at once): the copy stays private.
+                self._hold(key)
+            else:
+                self.refs[key] = 1
+                self.private -= 1
+                request.private -= 1
+                if self.index is not None:
+                    self.index.store(self.slot, DEVICE, key, key)
+            request.held.append(key)
+
+    def _release(self, request: _Request) -> None:
+        for key in request.held:
+            count = self.refs[key] - 1
+            self.refs[key] = count
+            if count == 0:
+                self.idle[key] = None
+        self.private -= request.private
+        request.held = []
+        request.private = 0
+
+    def schedule(self) -> tuple[list[tuple[_Request, int]], int]:
+        budget = self.model.max_batched_tokens
+        batch: list[tuple[_Request, int]] = []
+        prefill = 0
+        for request in self.running:
+            if budget <= 0:
+                break
+            take = min(max(request.prompt - request.computed, 1), budget)
+            batch.append((request, take))
+            budget -= take
+            prefill += take if request.computed < request.prompt else 0
+        while self.waiting and budget > 0 and len(self.running) < self.model.max_running:
+            request = self.waiting[0]
+            if not self._admit(request):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            take = min(request.prompt - request.computed, budget)
+            batch.append((request, take))
+            budget -= take
+            prefill += take
+        return batch, prefill
+
+    def duration(self, batch: Sequence[tuple[_Request, int]], prefill: int) -> float:
+        m = self.model
+        return (
+            m.step_seconds + m.sequence_seconds * len(batch) + m.token_seconds * prefill
+        ) / m.speed
+
+    def apply(self, batch: Sequence[tuple[_Request, int]], now: float) -> None:
+        for request, take in batch:
+            if request.computed < request.prompt:
+                request.computed += take
+                self._store(request, request.computed)
+                if request.computed < request.prompt:
+                    continue
+                request.first_token = now
+                request.ticket.first_token()
+            request.generated += 1
+            if request.generated >= request.outputs:
+                self.running.remove(request)
+                self._release(request)
+                request.ticket.finished()
+                request.on_done(request, now)
+
+
+@dataclasses.dataclass
+class Outcome:
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    latencies: list[float] = dataclasses.field(default_factory=list)
+    work: list[int] = dataclasses.field(default_factory=list)
+    requests: list[int] = dataclasses.field(default_factory=list)
+    prompt: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    # Per rank: the most requests it ever had waiting for admission.
+    deepest_queue: list[int] = dataclasses.field(default_factory=list)
+    # Per rank: the share of the time it was stepping.
+    busy: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached / self.prompt if self.prompt else math.nan
+
+    @property
+    def work_share(self) -> float:
+        """The busiest rank's prefill work (uncached prompt tokens) over a fair share."""
+        total = sum(self.work)
+        return max(self.work) * len(self.work) / total if total else math.nan
+
+    @property
+    def request_share(self) -> float:
+        total = sum(self.requests)
+        return max(self.requests) * len(self.requests) / total if total else math.nan
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    @property
+    def mean_ttft(self) -> float:
+        return statistics.fmean(self.ttfts)
+
+
+RouterFactory = Callable[[RoutingConfig, Callable[[], float]], RankedRouter]
+
+
+def kv_router(config: RoutingConfig, clock: Callable[[], float]) -> RankedRouter:
+    return KvRouter(config, routing_metrics(CollectorRegistry()), clock)
+
+
+class Simulation:
+    """One engine, one router, one workload; :meth:`run` plays it to the end."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        config: RoutingConfig = DEFAULTS,
+        factory: RouterFactory = kv_router,
+    ) -> None:
+        self.model = model
+        self.now = 0.0
+        self.router = factory(config, lambda: self.now)
+        self.router.configure(model.info())
+        index = self.router.view.events if isinstance(self.router, KvRouter) else None
+        self.ranks = [_Rank(slot, model, index) for slot in range(model.dp)]
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.outcome = Outcome()
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action))
+
+    def submit(
+        self, tokens: tuple[int, ...], outputs: int, on_done: Callable[[_Request, float], None]
+    ) -> None:
+        request = PreparedRequest(
+            request_id=f"sim-{next(self._order)}",
+            prompt_token_ids=tokens,
+            sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_tokens=outputs),
+        )
+        ticket = self.router.route(request)
+        self.router.sent()
+        rank_id = ticket.decision.rank
+        assert rank_id is not None
+        keys = prompt_keys(tokens, self.model.block_size).hashes
+        rank = self.ranks[rank_id]
+        rank.waiting.append(_Request(len(tokens), keys, outputs, ticket, self.now, on_done))
+        rank.deepest = max(rank.deepest, len(rank.waiting))
+        if not rank.stepping:
+            self._step(rank)
+
+    def _step(self, rank: _Rank) -> None:
+        batch, prefill = rank.schedule()
+        if not batch:
+            rank.stepping = False
+            return
+        rank.stepping = True
+        took = rank.duration(batch, prefill)
+        rank.busy_seconds += took
+
+        def done() -> None:
+            rank.apply(batch, self.now)
+            self._step(rank)
+
+        self.at(self.now + took, done)
+
+    def run(self, until: float = math.inf) -> None:
+        events = self._events
+        while events and events[0][0] <= until:
+            when, _, action = heapq.heappop(events)
+            self.now = when
+            action()
+        outcome = self.outcome
+        outcome.deepest_queue = [rank.deepest for rank in self.ranks]
+        outcome.seconds = self.now
+        outcome.busy = [r.busy_seconds / self.now if self.now else 0.0 for r in self.ranks]
+        outcome.work = [r.prompt_tokens - r.cached_tokens for r in self.ranks]
+        outcome.requests = [r.requests for r in self.ranks]
+        outcome.prompt = sum(r.prompt_tokens for r in self.ranks)
+        outcome.cached = sum(r.cached_tokens for r in self.ranks)
+
+    def play(self, plan: Sequence[Session], systems: Sequence[tuple[int, ...]]) -> None:
+        """Queue every session of ``plan``: each turn goes once the previous one is answered
+        and its pause is over."""
+        for session in plan:
+            self.at(session.start, self._turn(session, systems, 0))
+
+    def _turn(
+        self, session: Session, systems: Sequence[tuple[int, ...]], turn: int
+    ) -> Callable[[], None]:
+        def send() -> None:
+            self.submit(session.prompt(systems, turn), session.outputs[turn], finished)
+
+        def finished(request: _Request, now: float) -> None:
+            self.outcome.ttfts.append(request.first_token - request.arrived)
+            self.outcome.latencies.append(now - request.arrived)
+            if turn + 1 < len(session.messages):
+                self.at(now + session.pauses[turn], self._turn(session, systems, turn + 1))
+
+        return send
+
+
+def full_rate(model: EngineModel, shape: Shape, seconds: float = 60.0) -> float:
+    """The session rate at which round robin would keep every rank stepping all the time:
+    loads are fractions of it, so "70%" is a round-robin engine busy 70% of the time."""
+    probe = 0.5 * model.dp
+    outcome = run_plan(model, "round_robin", shape, probe, seconds)
+    busy = statistics.fmean(outcome.busy)
+    return probe / busy if busy else probe
+
+
+def _round_robin(config: RoutingConfig, clock: Callable[[], float]) -> RankedRouter:
+    return RoundRobinRouter(config, routing_metrics(CollectorRegistry()), clock)
+
+
+class LongestPrefixRouter(KvRouter):
+    """vllm-router's ``kv_aware`` choice, for comparison: the rank with the longest cached
+    prefix (the last of equals), the least loaded one when no rank has any, and no other
+    regard for load."""
+
+    name = "longest_prefix"
+
+    def _choose(
+        self,
+        cached: list[int],
+        prompt_tokens: int,
+        hashes: list[int],
+        full: AbstractSet[int] = frozenset(),
+    ) -> tuple[int, str]:
+        best = max(cached)
+        if best == 0:
+            in_flight = self.load.in_flight
+            return min(range(len(cached)), key=in_flight.__getitem__), "least_loaded"
+        return max(slot for slot, tokens in enumerate(cached) if tokens == best), "best"
+
+
+def _longest_prefix(config: RoutingConfig, clock: Callable[[], float]) -> RankedRouter:
+    return LongestPrefixRouter(config, routing_metrics(CollectorRegistry()), clock)
+
+
+FACTORIES: dict[str, RouterFactory] = {
+    "kv": kv_router,
+    "round_robin": _round_robin,
+    "longest_prefix": _longest_prefix,
+}
+
+
+def run_plan(
+    model: EngineModel,
+    policy: str,
+    shape: Shape,
+    rate: float,
+    seconds: float,
+    config: RoutingConfig = DEFAULTS,
+) -> Outcome:
+    """The outcome of the sessions that start in ``seconds`` at ``rate`` a second, routed by
+    ``policy`` (a key of :data:`FACTORIES`) with ``config``'s tunables."""
+    plan = sessions(shape, rate, seconds, shape.seed + model.dp)
+    sim = Simulation(model, config, FACTORIES[policy])
+    sim.play(plan, system_prompts(shape))
+    sim.run()
+    return sim.outcome
+
+
+def simulate(
+    model: EngineModel,
+    policy: str,
+    shape: Shape,
+    load: float,
+    seconds: float,
+    config: RoutingConfig = DEFAULTS,
+    rate: float | None = None,
+) -> Outcome:
+    """The outcome of ``seconds`` of sessions at ``load`` times :func:`full_rate`."""
+    full = rate if rate is not None else full_rate(model, shape)
+    return run_plan(model, policy, shape, full * load, seconds, config)
