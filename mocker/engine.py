@@ -145,6 +145,8 @@ class RankCounters:
     transfers_released: int = 0
     leases_expired: int = 0
     steps: int = 0
+    # Seconds of modelled step time (at ``speed``): the share of wall time a rank was busy.
+    busy_seconds: float = 0.0
 
 
 class RankEngine:
@@ -384,7 +386,9 @@ class RankEngine:
                 self._tick = max(self._tick + 1, int(now // pace) + 1)
                 await asyncio.sleep(self._tick * pace - now)
             elif speed > 0.0:
-                await asyncio.sleep(self._step_seconds(len(batch), prefill_tokens) / speed)
+                seconds = self._step_seconds(len(batch), prefill_tokens) / speed
+                self.counters.busy_seconds += seconds
+                await asyncio.sleep(seconds)
             else:
                 await asyncio.sleep(0)
             self._apply(batch)

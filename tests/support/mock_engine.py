@@ -54,6 +54,7 @@ class RankStats:
     kv_batches_published: int
     kv_batches_dropped: int
     kv_next_sequence: int
+    busy_seconds: float
 
 
 class MockFaults:
@@ -208,6 +209,7 @@ def _snapshot(engine: RankEngine) -> RankStats:
         kv_batches_published=publisher.published if publisher else 0,
         kv_batches_dropped=publisher.dropped if publisher else 0,
         kv_next_sequence=publisher.next_sequence if publisher else 0,
+        busy_seconds=c.busy_seconds,
     )
 
 
