@@ -240,6 +240,13 @@ def _serve_flags(d: GatewaySettings) -> tuple[Flag, ...]:
             float,
         ),
         Flag(
+            "--affinity-header",
+            None,
+            "a request header whose value names the client's conversation (e.g. "
+            "x-session-id): the kv policy keeps its turns on one rank while load allows, as "
+            "it does for prompt_cache_key (default: none)",
+        ),
+        Flag(
             "--otlp-traces-endpoint",
             None,
             "send OpenTelemetry traces of every request to this OTLP endpoint (gRPC, or "
@@ -520,6 +527,7 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
         shutdown_grace=args.shutdown_grace,
         health_interval=args.health_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        affinity_header=args.affinity_header or None,
         responses_store=StoreLimits(
             max_entries=args.responses_store_entries,
             max_bytes=args.responses_store_bytes,

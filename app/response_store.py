@@ -56,10 +56,12 @@ class _Entry:
     conversation: bytes
     expires: float
     owner: bytes | None
+    # The id of the chain's first response: the conversation's routing affinity key.
+    chain: str | None = None
 
     @property
     def size(self) -> int:
-        return len(self.body) + len(self.conversation) + _ENTRY_OVERHEAD
+        return len(self.body) + len(self.conversation) + len(self.chain or "") + _ENTRY_OVERHEAD
 
 
 class ResponseStore:
@@ -94,11 +96,13 @@ class ResponseStore:
         body: bytes,
         conversation: tuple[Message, ...],
         owner: bytes | None = None,
+        chain: str | None = None,
     ) -> bool:
-        """Keep a finished response for ``owner``; False when it alone exceeds the bounds."""
+        """Keep a finished response for ``owner``; False when it alone exceeds the bounds.
+        ``chain`` is the id of the first response of the conversation it continues."""
         limits = self.limits
         expires = self._clock() + limits.ttl_s
-        entry = _Entry(body, _ENCODER.encode(conversation), expires, owner)
+        entry = _Entry(body, _ENCODER.encode(conversation), expires, owner, chain)
         if limits.max_entries == 0 or entry.size > limits.max_bytes:
             log.debug("response %s (%d bytes) is too large to store", response_id, entry.size)
             return False
@@ -114,6 +118,10 @@ class ResponseStore:
     def conversation(self, response_id: str, owner: bytes | None = None) -> list[Message]:
         entry = self._get(response_id, owner, "previous_response_id")
         return _MESSAGES.decode(entry.conversation)
+
+    def chain(self, response_id: str, owner: bytes | None = None) -> str | None:
+        """The id of the first response of the conversation ``response_id`` belongs to."""
+        return self._get(response_id, owner, "previous_response_id").chain
 
     def delete(self, response_id: str, owner: bytes | None = None) -> None:
         self._get(response_id, owner, "response_id")

@@ -103,6 +103,19 @@ TUNABLES: tuple[Tunable, ...] = (
         "term counts them",
     ),
     Tunable(
+        "--route-affinity-entries",
+        "affinity_entries",
+        int,
+        "conversations named by clients (prompt_cache_key, Responses chains, the affinity "
+        "header) whose last rank the kv policy remembers (0: ignore them)",
+    ),
+    Tunable(
+        "--route-affinity-ttl",
+        "affinity_ttl",
+        float,
+        "seconds a named conversation's rank is remembered after its last request",
+    ),
+    Tunable(
         "--route-predict-ttl",
         "predict_ttl",
         float,

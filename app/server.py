@@ -126,6 +126,8 @@ def create_app(
     # The bundled mock engine, not a vLLM: /v1/models says so.
     app.state.demo = engine is None and settings.demo
     app.state.limits = settings.limits
+    header = (settings.affinity_header or "").strip().lower()
+    app.state.affinity_header = header.encode("latin-1") if header else None
     app.state.tracing = tracing
     app.state.responses = ResponseStore(settings.responses_store, workers=settings.workers)
     registry.register(AdmissionCollector(lambda: _admission_of(app)))

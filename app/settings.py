@@ -60,6 +60,9 @@ class GatewaySettings:
     shutdown_grace: float = 30.0
     # How often the engine's health is checked (readiness, re-discovery after a restart).
     health_interval: float = 1.0
+    # A request header whose value names the client's conversation (e.g. ``x-session-id``):
+    # the router keeps its turns together, as with ``prompt_cache_key``. None: no header.
+    affinity_header: str | None = None
     # OTLP endpoint for OpenTelemetry traces (vLLM's ``--otlp-traces-endpoint``); None: off.
     otlp_traces_endpoint: str | None = None
     # Stored responses (``store: true`` on /v1/responses): bounds of the in-memory store.

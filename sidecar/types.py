@@ -135,6 +135,10 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     media: tuple[MediaInput, ...] = ()
     kv_transfer_params: dict[str, Any] | None = None
     rank: int | None = None
+    # The conversation the client named (``prompt_cache_key``, a Responses chain, an
+    # operator's session header): the router sends it where its earlier turns went, before
+    # any KV event says so, as long as that rank's load allows.
+    affinity: str | None = None
     # False when the caller wants only the finished output (a non-streaming response): the
     # sidecar may then answer each choice with one whole-output delta from a unary call.
     stream: bool = True

@@ -226,6 +226,7 @@ class ChatPreparer:
         rank: int | None,
         trace: RequestTrace | None = None,
         body_size: int = 0,
+        affinity: str | None = None,
     ) -> PreparedChat:
         """``body_size`` (bytes of the request body) decides whether the work is done off the
         event loop: every field counts, not only the message texts."""
@@ -323,6 +324,7 @@ class ChatPreparer:
             media=media,
             kv_transfer_params=req.kv_transfer_params,
             rank=rank,
+            affinity=affinity,
             stream=req.stream,
             trace=trace,
         )

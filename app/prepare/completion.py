@@ -114,6 +114,7 @@ class CompletionPreparer:
         rank: int | None,
         trace: RequestTrace | None = None,
         body_size: int = 0,
+        affinity: str | None = None,
     ) -> PreparedCompletion:
         """``body_size`` (bytes of the request body) decides whether the prompts are checked
         and tokenized off the event loop."""
@@ -126,7 +127,7 @@ class CompletionPreparer:
         if req.kv_transfer_params:
             check_engine_json(req.kv_transfer_params, "kv_transfer_params")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        args = (req, add_special, request_id, lora_name, max_model_len, rank, trace)
+        args = (req, add_special, request_id, lora_name, max_model_len, rank, trace, affinity)
         if body_size > OFFLOAD_BYTES:
             return await asyncio.to_thread(self._build, *args)
         return self._build(*args)
@@ -140,10 +141,19 @@ class CompletionPreparer:
         max_model_len: int,
         rank: int | None,
         trace: RequestTrace | None,
+        affinity: str | None,
     ) -> PreparedCompletion:
         prompts, token_prompts = self._tokenize(req, add_special, max_model_len)
         return self._requests(
-            req, prompts, token_prompts, request_id, lora_name, max_model_len, rank, trace
+            req,
+            prompts,
+            token_prompts,
+            request_id,
+            lora_name,
+            max_model_len,
+            rank,
+            trace,
+            affinity,
         )
 
     def _tokenize(
@@ -188,6 +198,7 @@ class CompletionPreparer:
         max_model_len: int,
         rank: int | None,
         trace: RequestTrace | None,
+        affinity: str | None,
     ) -> PreparedCompletion:
         sampling = sampling_params(req, self._tok.vocab_size)
         structured = structured_output(req, self._limits)
@@ -227,6 +238,7 @@ class CompletionPreparer:
                     lora_name=lora_name,
                     kv_transfer_params=req.kv_transfer_params,
                     rank=rank,
+                    affinity=affinity,
                     stream=req.stream,
                     trace=trace,
                 )

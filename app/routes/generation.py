@@ -11,6 +11,7 @@ from typing import Literal, Protocol, TypeVar
 from fastapi import Request
 from starlette.responses import Response
 
+from rankgate.app.affinity import affinity_key
 from rankgate.app.gateway import Gateway
 from rankgate.app.observe import RequestRecord, Tracked, observer_of
 from rankgate.app.respond.context import NO_PARSING, ResponseContext
@@ -42,6 +43,7 @@ class Preparer(Protocol[Req, Prep]):
         rank: int | None,
         trace: RequestTrace | None = None,
         body_size: int = 0,
+        affinity: str | None = None,
     ) -> Awaitable[Prep]: ...
 
 
@@ -68,6 +70,7 @@ async def prepare(
         rank=pinned_rank(request),
         trace=trace,
         body_size=body_size(request),
+        affinity=affinity_key(request, req.prompt_cache_key),
     )
     return await (work if trace is None else trace.prepare(work))
 

@@ -13,6 +13,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from rankgate.app.affinity import affinity_key
 from rankgate.app.auth import tenant_of
 from rankgate.app.errors import ApiError
 from rankgate.app.limits import InputLimits
@@ -73,8 +74,13 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     record.model = req.model
     record.stream = req.stream
     history: list[Message] = []
+    response_id = store.new_id()
+    # A chain is one conversation: every response of it carries the key of its first one.
+    chain = response_id
     if req.previous_response_id is not None:
         history = store.conversation(req.previous_response_id, tenant)
+        chain = store.chain(req.previous_response_id, tenant) or req.previous_response_id
+    affinity = affinity_key(request, req.prompt_cache_key, chain)
     limits: InputLimits = request.app.state.limits
     turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
@@ -85,6 +91,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         lora_name=target.lora_name,
         max_model_len=info.max_model_len,
         rank=pinned_rank(request),
+        affinity=affinity,
         trace=trace,
         # The stored conversation is rendered too: it counts toward the work.
         body_size=body_size(request) + (len(msgspec.json.encode(history)) if history else 0),
@@ -96,10 +103,12 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     tokenizer = gateway.tokenizer
 
     def keep(response: ResponseObject, body: bytes) -> None:
-        store.put(response.id, body, stored_conversation(turn.conversation, response), tenant)
+        store.put(
+            response.id, body, stored_conversation(turn.conversation, response), tenant, chain
+        )
 
     ctx = ResponsesContext(
-        base=initial_response(req, store.new_id(), int(time.time())),
+        base=initial_response(req, response_id, int(time.time())),
         plan=prepared.plan,
         prompt_len=prepared.prompt_len,
         count_tokens=lambda text: len(tokenizer.encode(text, False)),

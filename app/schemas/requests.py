@@ -210,11 +210,12 @@ class SamplingFields(Struct, **_STRICT):
     add_special_tokens: bool | None = None
     # vLLM's: candidates per prompt token (not with ``stream``); see prompt_logprobs_of.
     prompt_logprobs: int | None = None
+    # OpenAI's: names the conversation, which the kv policy keeps on one rank (app.affinity).
+    prompt_cache_key: str | None = None
     # OpenAI fields accepted for compatibility that change nothing here.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # Known fields Rankgate refuses with a clear 400 (rather than "unrecognized").
     use_beam_search: bool | None = None

@@ -35,6 +35,10 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     share_weight: float = 300.0
     share_half_life: float = 10.0
     share_slack: float = 1.0
+    # Conversations named by the client (``PreparedRequest.affinity``) remembered, and for how
+    # many seconds after their last request (0 entries: affinity keys are ignored).
+    affinity_entries: int = 100_000
+    affinity_ttl: float = 600.0
     # Seconds a routed prompt is believed cached on its rank: without KV events, and while
     # waiting for the events of a prompt just routed (0: trust the events alone).
     predict_ttl: float = 120.0
@@ -68,6 +72,10 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("share_half_life must be positive")
         if self.share_slack < 0:
             raise ValueError("share_slack must be >= 0")
+        if self.affinity_entries < 0:
+            raise ValueError("affinity_entries must be >= 0")
+        if self.affinity_ttl <= 0:
+            raise ValueError("affinity_ttl must be positive")
         if self.predict_ttl <= 0:
             raise ValueError("predict_ttl must be positive")
         if self.pending_ttl < 0:

@@ -180,6 +180,13 @@ class RoutingMetrics:
             ["reason"],
             registry=registry,
         )
+        self.affinity = Counter(
+            "rankgate_routing_affinity",
+            "Requests naming a conversation the router remembered: sent where it went before "
+            "(followed), or elsewhere because that rank's load outweighed it (yielded).",
+            ["outcome"],
+            registry=registry,
+        )
         self.event_batches = Counter(
             "rankgate_kv_event_batches",
             "KV-event batches applied, by rank and origin (live or replay).",

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
+from rankgate.sidecar.routing.affinity import AffinityTable
 from rankgate.sidecar.routing.base import RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import PromptKeys, prompt_keys
@@ -72,6 +73,9 @@ class KvRouter(RankedRouter):
         self.predicted: PredictedIndex | None = None
         self.recent: RecentWork | None = None
         self.shares: RecentWork | None = None
+        self.affinity: AffinityTable | None = None
+        self._affinity_followed = metrics.affinity.labels("followed")
+        self._affinity_yielded = metrics.affinity.labels("yielded")
         self._last: tuple[PreparedRequest, PromptKeys] | None = None
         self._spill_hot = metrics.spills.labels("hot_prefix")
         self._spill_full = metrics.spills.labels("capacity")
@@ -87,6 +91,10 @@ class KvRouter(RankedRouter):
             RecentWork(len(topology.ranks), self.config.share_half_life, self.clock)
             if self.config.share_weight > 0
             else None
+        )
+        entries = self.config.affinity_entries
+        self.affinity = (
+            AffinityTable(entries, self.config.affinity_ttl, self.clock) if entries else None
         )
         capacity = [max(1, blocks) for blocks in topology.device_blocks]
         offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
@@ -147,10 +155,18 @@ class KvRouter(RankedRouter):
         block = topology.block_size
         prompt_tokens = keys.prompt_tokens
         cached = self._cached_tokens(hashes, block, prompt_tokens)
+        remembered = self._affinity(request, cached, block, prompt_tokens)
         slot = self._pinned_slot(request)
         reason = "pinned"
         if slot is None:
             slot, reason = self._choose(cached, prompt_tokens, hashes, full)
+            if remembered is not None:
+                if slot == remembered:
+                    self._affinity_followed.inc()
+                else:
+                    self._affinity_yielded.inc()
+        if request.affinity is not None and self.affinity is not None:
+            self.affinity.record(request.affinity, slot, prompt_tokens)
         if self.predicted is not None:
             self.predicted.record(slot, hashes)
         if self.recent is not None:
@@ -158,6 +174,23 @@ class KvRouter(RankedRouter):
         if self.shares is not None:
             self.shares.add(slot, 1.0)
         return self._admit(slot, prompt_tokens, cached[slot], reason, estimated=estimated(request))
+
+    def _affinity(
+        self, request: PreparedRequest, cached: list[int], block: int, prompt_tokens: int
+    ) -> int | None:
+        """The slot the request's named conversation went to last, now believed to hold that
+        request's prompt (as its KV events would say once published); None if unknown."""
+        key = request.affinity
+        if key is None or self.affinity is None:
+            return None
+        found = self.affinity.get(key)
+        if found is None:
+            return None
+        slot, tokens = found
+        if slot < len(cached):
+            believed = min(tokens, prompt_tokens - 1) // block * block
+            cached[slot] = max(cached[slot], believed)
+        return slot
 
     def _cached_tokens(self, hashes: list[int], block: int, prompt_tokens: int) -> list[int]:
         slots = self.load.slots
