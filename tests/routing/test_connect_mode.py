@@ -90,9 +90,13 @@ async def test_batches_a_connecting_publisher_sent_before_its_link_was_up_are_re
     router.configure(engine_info((0,), sources=[source]))
     await router.start()
     try:
+        # The intake thread counts the replayed batch, then the replay that brought it: wait
+        # for both before reading either.
         await until(
             lambda: (
                 sample(registry, "rankgate_kv_event_batches_total", rank="0", origin="replay") >= 1
+                and sample(registry, "rankgate_kv_event_replays_total", rank="0", outcome="sync")
+                >= 1
             )
         )
         ticket = router.route(prepared([*tokens, 9]))
