@@ -17,6 +17,7 @@ import array
 import asyncio
 import gc
 import hashlib
+import os
 import random
 import statistics
 import time
@@ -95,6 +96,7 @@ async def _ingest(args: argparse.Namespace) -> None:
             for r in range(args.ranks)
         )
 
+    rss_before = _rss()
     # The bench's own 50k prepared events must not make every collection slower.
     gc.collect()
     gc.freeze()
@@ -110,6 +112,7 @@ async def _ingest(args: argparse.Namespace) -> None:
     indexed = [
         router.view.events.size(slot) if router.view.events else 0 for slot in range(args.ranks)
     ]
+    grown = _rss() - rss_before
     blocks = total_events * BLOCKS_PER_EVENT
     print(f"ingestion: {args.ranks} ranks, {total_batches} batches, {total_events} events")
     print(
@@ -117,6 +120,13 @@ async def _ingest(args: argparse.Namespace) -> None:
         f"({elapsed:.2f}s; publishing alone {published:.2f}s)"
     )
     print(f"  indexed blocks per rank: {indexed}")
+    events = router.view.events
+    distinct = len(events.device) if events is not None else 0
+    print(
+        f"  {distinct:,} distinct blocks, {sum(indexed):,} rank entries; the process grew "
+        f"{grown / 2**20:.0f} MiB while indexing: {grown / max(distinct, 1):.0f} bytes per "
+        f"distinct block"
+    )
 
     # Decisions: half the prompts extend a document some ranks hold, half are new.
     prompts = []
@@ -157,6 +167,12 @@ async def _ingest(args: argparse.Namespace) -> None:
     await router.close()
     for publisher in publishers:
         publisher.close()
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _loadavg() -> str:

@@ -91,7 +91,7 @@ class RecentWork:
     idle-looking view misses is the work done there lately: those conversations come back.
     """
 
-    __slots__ = ("_clock", "_rate", "_stamp", "tokens")
+    __slots__ = ("_clock", "_origin", "_rate", "_raw")
 
     def __init__(
         self, slots: int, half_life: float, clock: Callable[[], float] = time.monotonic
@@ -100,21 +100,29 @@ class RecentWork:
             raise ValueError("half_life must be positive")
         self._rate = math.log(2) / half_life
         self._clock = clock
-        self._stamp = clock()
-        self.tokens = [0.0] * slots
+        # Each slot's total as of ``_origin``: fading is one factor for all slots, applied
+        # when read, so neither a read nor an add walks every slot.
+        self._origin = clock()
+        self._raw = [0.0] * slots
+
+    def scaled(self) -> tuple[float, list[float]]:
+        """``(factor, raw)``: each slot's faded total is ``factor * raw[slot]`` now."""
+        factor = math.exp(-self._rate * (self._clock() - self._origin))
+        if factor < 1e-150:
+            # Far from the origin the raw totals would overflow: fold the factor in.
+            self._raw = [tokens * factor for tokens in self._raw]
+            self._origin = self._clock()
+            factor = 1.0
+        return factor, self._raw
 
     def current(self) -> list[float]:
         """Each slot's faded total as of now."""
-        now = self._clock()
-        elapsed = now - self._stamp
-        if elapsed > 0:
-            factor = math.exp(-self._rate * elapsed)
-            self.tokens = [tokens * factor for tokens in self.tokens]
-            self._stamp = now
-        return self.tokens
+        factor, raw = self.scaled()
+        return [tokens * factor for tokens in raw]
 
     def add(self, slot: int, tokens: float) -> None:
-        self.current()[slot] += tokens
+        factor, raw = self.scaled()
+        raw[slot] += tokens / factor
 
 
 class LoadTicket:

@@ -196,8 +196,15 @@ class KvRouter(RankedRouter):
         slots = self.load.slots
         if not hashes:
             return [0] * slots
-        predicted = self.predicted.match(hashes) if self.predicted is not None else [0] * slots
+        # vLLM always computes a prompt's last token, even when every block is cached, and it
+        # hits whole blocks only: a fully cached prompt recomputes its last block.
+        limit = (prompt_tokens - 1) // block * block
         found = self.view.match(hashes)
+        if self.predicted is None and found is not None and found.any_tier is found.device:
+            # Events only, nothing offloaded: the device depths are the answer (the common
+            # case, and the one a wide engine routes on every request).
+            return [min(depth * block, limit) for depth in found.device]
+        predicted = self.predicted.match(hashes) if self.predicted is not None else [0] * slots
         if found is None:
             blocks = [float(depth) for depth in predicted]
         else:
@@ -206,9 +213,6 @@ class KvRouter(RankedRouter):
                 max(dev, pred) + weight * max(0, tier - max(dev, pred))
                 for dev, tier, pred in zip(found.device, found.any_tier, predicted, strict=True)
             ]
-        # vLLM always computes a prompt's last token, even when every block is cached, and it
-        # hits whole blocks only: a fully cached prompt recomputes its last block.
-        limit = (prompt_tokens - 1) // block * block
         return [min(int(b * block), limit) for b in blocks]
 
     def _choose(
@@ -219,30 +223,34 @@ class KvRouter(RankedRouter):
         full: AbstractSet[int] = frozenset(),
     ) -> tuple[int, str]:
         load = self.load
-        wp, wd = self.config.prefill_weight, self.config.decode_weight
+        config = self.config
+        wp, wd = config.prefill_weight, config.decode_weight
         costs = [
-            wp * (prompt_tokens - cached[slot] + load.prefill_tokens[slot])
-            + wd * load.decode_tokens[slot]
-            for slot in range(load.slots)
+            wp * (prompt_tokens - hit + queued) + wd * decoding
+            for hit, queued, decoding in zip(
+                cached, load.prefill_tokens, load.decode_tokens, strict=True
+            )
         ]
         if self.recent is not None:
-            wr = self.config.recent_weight
-            for slot, tokens in enumerate(self.recent.current()):
-                costs[slot] += wr * tokens
+            factor, raw = self.recent.scaled()
+            wr = config.recent_weight * factor
+            costs = [cost + wr * tokens for cost, tokens in zip(costs, raw, strict=True)]
         if self.shares is not None:
-            ws = self.config.share_weight
-            counts = self.shares.current()
-            mean = sum(counts) / len(counts)
-            fair = mean + self.config.share_slack * math.sqrt(mean)
-            for slot, count in enumerate(counts):
-                if count > fair:
-                    costs[slot] += ws * (count - fair)
+            factor, raw = self.shares.scaled()
+            mean = sum(raw) * factor / len(raw)
+            fair = (mean + config.share_slack * math.sqrt(mean)) / factor
+            if max(raw) > fair:
+                ws = config.share_weight * factor
+                for slot, count in enumerate(raw):
+                    if count > fair:
+                        costs[slot] += ws * (count - fair)
+        in_flight = load.in_flight
         room = self._with_room(full)
-        least = min(load.in_flight[slot] for slot in room)
-        ceiling = least + self.config.hot_spill_requests
-        eligible = [slot for slot in room if load.in_flight[slot] <= ceiling]
-        best_cost = min(costs[slot] for slot in eligible)
-        tied = [slot for slot in eligible if costs[slot] <= best_cost + 1e-9]
+        ceiling = min([in_flight[slot] for slot in room]) + config.hot_spill_requests
+        best_cost = min([costs[slot] for slot in room if in_flight[slot] <= ceiling])
+        tied = [
+            slot for slot in room if costs[slot] <= best_cost + 1e-9 and in_flight[slot] <= ceiling
+        ]
         if len(tied) == 1:
             chosen = tied[0]
         elif hashes:

@@ -158,7 +158,13 @@ class RankedRouter:
             slots = [slot for slot in range(load.slots) if ranks[slot] not in full]
             if slots:
                 return [slot for slot in slots if load.has_room(slot)] or slots
-        room = [slot for slot in range(load.slots) if load.has_room(slot)]
+        room = [
+            slot
+            for slot, (running, most) in enumerate(
+                zip(load.in_flight, load.max_running, strict=True)
+            )
+            if running < most
+        ]
         return room or list(range(load.slots))
 
 
