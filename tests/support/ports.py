@@ -8,6 +8,7 @@ made servers fail with "address already in use" now and then on a busy run.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -26,10 +27,18 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def _band() -> tuple[int, int]:
+    """The ports this process may pick from: below the ephemeral range, and under pytest-xdist
+    a slice of it of this worker's own, so that two workers never pick the same port between
+    one's check and its bind."""
     low, high = _ephemeral_range()
-    if low - _LOWEST >= 4_096:
-        return _LOWEST, low - 1
-    return high + 1, 65_535
+    low, high = (_LOWEST, low - 1) if low - _LOWEST >= 4_096 else (high + 1, 65_535)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and worker[2:].isdigit() and workers > 1:
+        width = (high - low + 1) // workers
+        low += int(worker[2:]) % workers * width
+        high = low + width - 1
+    return low, high
 
 
 _RANDOM = random.Random()
