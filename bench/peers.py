@@ -54,6 +54,18 @@ class Unavailable(RuntimeError):
     """A peer cannot run here; the message says why, for the results table."""
 
 
+def table(head: Sequence[str], rows: Sequence[Sequence[str]], title: str, markdown: bool) -> str:
+    """``rows`` under ``head`` after ``title``: a Markdown table, or aligned plain columns."""
+    if markdown:
+        lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     with open("/proc/cpuinfo") as info:

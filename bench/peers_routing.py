@@ -358,19 +358,6 @@ async def one_real(
     return run.close()
 
 
-def render(rows: list[list[str]], title: str, markdown: bool) -> str:
-    lines = [title, ""]
-    if markdown:
-        lines.append("| " + " | ".join(HEAD) + " |")
-        lines.append("|" + "---|" * len(HEAD))
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in [HEAD, *rows]) for i in range(len(HEAD))]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(HEAD, widths, strict=True)))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
 async def main_mock(args: argparse.Namespace, work_dir: Path) -> str:
     model_dir = peers.model_dir(work_dir)
     workloads: dict[str, Workload] = {"shared": SharedPrefix(), "unique": NoReuse()}
@@ -403,7 +390,7 @@ async def main_mock(args: argparse.Namespace, work_dir: Path) -> str:
         f"Routing quality, mock engine DP=4 (speed {args.speed}), block 16; {args.rounds} "
         f"interleaved passes per target, each on a fresh engine, pooled; {peers.machine()}"
     )
-    return render(rows, title, args.markdown)
+    return peers.table(HEAD, rows, title, args.markdown)
 
 
 def real_workloads(args: argparse.Namespace) -> dict[str, SharedPrefix]:
@@ -503,7 +490,7 @@ async def main_real(args: argparse.Namespace, work_dir: Path, placement: Placeme
         f"{prefill.user_tokens} new tokens a turn, {prefill.output_tokens}-token answers; "
         f"{args.rounds} interleaved passes per target, pooled; {peers.machine()}"
     )
-    return render(rows, title, args.markdown)
+    return peers.table(HEAD, rows, title, args.markdown)
 
 
 async def real_round(

@@ -342,17 +342,6 @@ def row(dp: int, load: float, o: Outcome) -> list[str]:
     ]
 
 
-def render(rows: list[list[str]], title: str, markdown: bool) -> str:
-    if markdown:
-        lines = [title, "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in [HEAD, *rows]) for i in range(len(HEAD))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(HEAD, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
 async def run(args: argparse.Namespace, work_dir: Path) -> str:
     shape = Shape(
         prompts=args.prompts,
@@ -399,7 +388,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> str:
         f"for {args.seconds:.0f} s; load: the share of time round robin keeps the ranks stepping; "
         f"{args.rounds} interleaved rounds, pooled; {peers.machine()}"
     )
-    return render(rows, title, args.markdown)
+    return peers.table(HEAD, rows, title, args.markdown)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Sequence
 
 import msgspec
+import peers
 
 from rankgate.sidecar.routing.config import RoutingConfig
 from tests.support.rank_sim import EngineModel, Outcome, full_rate, run_plan
@@ -74,17 +75,6 @@ def row(dp: int, load: float, name: str, runs: Sequence[Outcome]) -> list[str]:
     ]
 
 
-def render(rows: list[list[str]], title: str, markdown: bool) -> str:
-    if markdown:
-        lines = [title, "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in [HEAD, *rows]) for i in range(len(HEAD))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(HEAD, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8, 16, 32])
@@ -121,7 +111,7 @@ def main() -> None:
         f"{'8k-32k' if args.long else '1k-3k'} tokens; {args.seconds:.0f} s of Poisson "
         f"sessions per run, seeds {' '.join(map(str, args.seeds))} pooled"
     )
-    print(render(rows, title, args.markdown))
+    print(peers.table(HEAD, rows, title, args.markdown))
 
 
 if __name__ == "__main__":

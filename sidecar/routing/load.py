@@ -77,8 +77,15 @@ class LoadTracker:
             self.shared.add(self.ranks[slot], 1, prefill_tokens, 0)
         return LoadTicket(self, slot, decision, prefill_tokens, total_tokens)
 
-    def has_room(self, slot: int) -> bool:
-        return self.in_flight[slot] < self.max_running[slot]
+    def below_max(self) -> list[int]:
+        """The slots running fewer requests than their ``max_running_requests``."""
+        return [
+            slot
+            for slot, (running, most) in enumerate(
+                zip(self.in_flight, self.max_running, strict=True)
+            )
+            if running < most
+        ]
 
 
 class RecentWork:

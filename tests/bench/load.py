@@ -8,6 +8,10 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+# The scripts import their shared helpers (``peers``) as the scripts' own directory allows;
+# appended, it never shadows an installed module.
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
 
 
 def bench_module(name: str) -> ModuleType:

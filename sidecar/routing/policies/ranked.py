@@ -153,18 +153,12 @@ class RankedRouter:
         """Slots whose rank has an admission slot left (all of them when none has), those
         below ``max_running_requests`` first."""
         load = self.load
+        room = load.below_max()
         if full and self.topology is not None:
             ranks = self.topology.ranks
             slots = [slot for slot in range(load.slots) if ranks[slot] not in full]
             if slots:
-                return [slot for slot in slots if load.has_room(slot)] or slots
-        room = [
-            slot
-            for slot, (running, most) in enumerate(
-                zip(load.in_flight, load.max_running, strict=True)
-            )
-            if running < most
-        ]
+                return [slot for slot in room if ranks[slot] not in full] or slots
         return room or list(range(load.slots))
 
 
