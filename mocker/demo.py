@@ -20,6 +20,10 @@ from rankgate.mocker.transfer import Role
 
 MODEL = "rankgate-mock"
 DP_SIZE = 2
+# Chance per token that a turn ends with EOS: answers of about 40 tokens on average, ending
+# where a model's would rather than at the token limit (which the Responses API reports as an
+# incomplete answer, and agent frameworks refuse).
+EOS_PROBABILITY = 1 / 40
 _HOST = "127.0.0.1"
 
 
@@ -60,6 +64,7 @@ def demo_engine(
         kv_events_host=_HOST,
         speed=speed,
         role=role,
+        eos_probability=EOS_PROBABILITY,
     )
     with serving_in_thread(config) as (server, _):
         yield DemoEngine(server.target, directory)
