@@ -110,10 +110,8 @@ class Gateway:
         )
         if media is not None:
             media.configure(info)
-        self.chat = ChatPreparer(
-            self.tokenizer, self.template, settings, media, info.ranks, options.limits
-        )
-        self.completions = CompletionPreparer(self.tokenizer, info.ranks, options.limits)
+        self.chat = ChatPreparer(self.tokenizer, self.template, settings, media, options.limits)
+        self.completions = CompletionPreparer(self.tokenizer, options.limits)
         log.info(
             "tokenizer %s; chat template %s; tool-call parser %s; reasoning parser %s",
             directory,

@@ -121,7 +121,8 @@ class Lifecycle:
         """The engine requests of every choice of ``request`` for the engine served now.
 
         Raises EngineUnavailable while nothing is served and InvalidRequest for a pinned rank
-        that this frontend does not serve.
+        that this frontend does not serve: the one check of a pin, made before admission (which
+        keys its slots by rank) against the engine served now.
         """
         current = self.current
         encoder = self.encoder
@@ -130,7 +131,7 @@ class Lifecycle:
         if request.rank is not None and request.rank not in current.info.ranks:
             raise InvalidRequest(
                 f"data-parallel rank {request.rank} is not served here; "
-                f"ranks: {list(current.info.ranks)}"
+                f"served ranks: {sorted(current.info.ranks)}"
             )
         return encoder.encode(request)
 

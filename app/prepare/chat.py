@@ -202,11 +202,9 @@ class ChatPreparer:
         template: ChatTemplate | None,
         settings: ChatSettings,
         media: MediaHook | None,
-        ranks: tuple[int, ...] = (),
         limits: InputLimits | None = None,
     ) -> None:
         self._tok = tokenizer
-        self._ranks = ranks
         self._limits = limits or InputLimits()
         self._template = template
         self._settings = settings
@@ -231,7 +229,7 @@ class ChatPreparer:
         """``body_size`` (bytes of the request body) decides whether the work is done off the
         event loop: every field counts, not only the message texts."""
         refuse_unsupported(req, _CHAT_REFUSED)
-        rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
+        rank = resolve_rank(req.data_parallel_rank, rank)
         template = self._require_template()
         if req.modalities is not None and req.modalities != ["text"]:
             raise unsupported("modalities", 'supports only ["text"]')

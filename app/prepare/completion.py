@@ -97,11 +97,9 @@ class CompletionPreparer:
     def __init__(
         self,
         tokenizer: TextTokenizer,
-        ranks: tuple[int, ...] = (),
         limits: InputLimits | None = None,
     ) -> None:
         self._tok = tokenizer
-        self._ranks = ranks
         self._limits = limits or InputLimits()
 
     async def prepare(
@@ -119,7 +117,7 @@ class CompletionPreparer:
         """``body_size`` (bytes of the request body) decides whether the prompts are checked
         and tokenized off the event loop."""
         refuse_unsupported(req, _COMPLETION_REFUSED)
-        rank = resolve_rank(req.data_parallel_rank, rank, self._ranks)
+        rank = resolve_rank(req.data_parallel_rank, rank)
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "is supported only when equal to n")
         if req.max_tokens == 0 and not req.echo:

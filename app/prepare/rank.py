@@ -1,15 +1,15 @@
-"""A client's data-parallel rank pin, from the body field or the header, checked once.
+"""A client's data-parallel rank pin, from the body field or the header.
 
 vLLM's OpenAI server takes the pin from the ``x-data-parallel-rank`` header; Rankgate also
-accepts a ``data_parallel_rank`` body field, for clients that cannot set headers. Checking it
-here, against the ranks discovery found, makes a wrong pin a 400 that names where it came from
-instead of an engine error without a ``param``.
+accepts a ``data_parallel_rank`` body field, for clients that cannot set headers. Here the two
+are read and must agree; whether the engine serves the rank is checked once, by the sidecar,
+against the engine served when the request is sent (its ranks can change while the gateway
+runs).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
 
 from rankgate.app.errors import invalid
 
@@ -35,19 +35,11 @@ def rank_from_header(value: str | None) -> int | None:
     return int(text)
 
 
-def resolve_rank(body: int | None, header: int | None, served: Collection[int]) -> int | None:
-    """The rank to pin (None: the router chooses); a 400 when the two disagree or the rank is
-    not one this engine serves (an empty ``served`` skips that check)."""
+def resolve_rank(body: int | None, header: int | None) -> int | None:
+    """The rank to pin (None: the router chooses); a 400 when the two disagree."""
     if body is not None and header is not None and body != header:
         raise invalid(
             f"'{RANK_FIELD}' is {body} but header '{RANK_HEADER}' is {header}; give one rank",
             RANK_FIELD,
         )
-    rank, param = (body, RANK_FIELD) if body is not None else (header, RANK_HEADER)
-    if rank is not None and served and rank not in served:
-        raise invalid(
-            f"'{param}' is {rank}, a data-parallel rank this engine does not serve; "
-            f"served ranks: {sorted(served)}",
-            param,
-        )
-    return rank
+    return body if body is not None else header

@@ -69,7 +69,7 @@ async def test_unserved_rank_is_refused_before_the_engine_sees_it(
     fake: FakeServer, start_sidecar: StartSidecar
 ) -> None:
     sidecar = await start_sidecar()
-    with pytest.raises(InvalidRequest, match=r"rank 7 is not served here; ranks: \[0, 1\]"):
+    with pytest.raises(InvalidRequest, match=r"rank 7 is not served here; served ranks: \[0, 1\]"):
         await collect(sidecar.generate(request(rank=7)))
     assert fake.fake.received == []
 

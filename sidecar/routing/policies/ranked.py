@@ -9,7 +9,7 @@ from collections.abc import Set as AbstractSet
 
 import msgspec
 
-from rankgate.sidecar.errors import EngineUnavailable, InvalidRequest
+from rankgate.sidecar.errors import EngineUnavailable
 from rankgate.sidecar.routing.base import RouteDecision, RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.load import LoadTracker
@@ -109,9 +109,8 @@ class RankedRouter:
             return None
         slot = self.slots.get(request.rank)
         if slot is None:
-            raise InvalidRequest(
-                f"data-parallel rank {request.rank} is not served here; ranks: {list(self.slots)}"
-            )
+            # The sidecar checked the pin before admission; the engine's ranks changed since.
+            raise EngineUnavailable("the engine's data-parallel ranks changed; retry")
         return slot
 
     def _require_topology(self) -> Topology:
