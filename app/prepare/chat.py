@@ -46,6 +46,7 @@ from rankgate.sidecar import (
     OutputOptions,
     PreparedRequest,
     RequestTrace,
+    StoppingParams,
     StructuredOutput,
 )
 
@@ -226,82 +227,24 @@ class ChatPreparer:
         body_size: int = 0,
         affinity: str | None = None,
     ) -> PreparedChat:
-        """``body_size`` (bytes of the request body) decides whether the work is done off the
+        """The engine request for ``req``, in the steps vLLM takes: check the fields, settle
+        which constraint shapes the output, render and tokenize, fit the images into the
+        context, check the context, assemble.
+
+        ``body_size`` (bytes of the request body) decides whether the work is done off the
         event loop: every field counts, not only the message texts."""
-        refuse_unsupported(req, _CHAT_REFUSED)
-        rank = resolve_rank(req.data_parallel_rank, rank)
+        rank = self._check_fields(req, rank)
         template = self._require_template()
-        if req.modalities is not None and req.modalities != ["text"]:
-            raise unsupported("modalities", 'supports only ["text"]')
-        check_fanout(1, req.n, self._limits)
-        if req.kv_transfer_params:
-            check_engine_json(req.kv_transfer_params, "kv_transfer_params")
-        plan, forced = self._plan(req)
-        structured = structured_output(req, self._limits)
-        if forced is not None and structured is not None and not (plan.named or plan.required):
-            # tool_choice auto with strict tools or no parallel calls: the request's own
-            # constraint wins (vLLM would combine both; that needs xgrammar's grammar union).
-            forced = None
-        if forced is not None:
-            if structured is not None:
-                raise invalid(
-                    "tool_choice 'required' or a named function cannot be combined with "
-                    "another structured-output constraint",
-                    "tool_choice",
-                )
-            structured = forced
-        if req.top_logprobs is not None and not req.logprobs:
-            raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-
+        plan, structured = self._constraint(req)
         ids, images = await self._render(req, template, body_size, max_model_len)
-
-        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        media: tuple[MediaInput, ...] = ()
-        if images:
-            # What the context leaves for the images: the text around them and at least one
-            # token to generate (or the tokens asked for) take the rest.
-            asked = req.max_completion_tokens or req.max_tokens or 1
-            text_len = len(ids) - len(images)
-            try:
-                media, positions = await self._images(ids, images, max_model_len - text_len - asked)
-            except ImagesOverBudget as exc:
-                # The error vLLM gives for that prompt, with the images counted from their
-                # headers (stopping_params raises it: the prompt cannot fit).
-                stopping_params(
-                    req,
-                    prompt_len=text_len + exc.tokens,
-                    requested=req.max_completion_tokens or req.max_tokens,
-                    max_model_len=max_model_len,
-                    vocab_size=self._tok.vocab_size,
-                    prompt_param="messages",
-                    max_param=max_param,
-                )
-                raise ApiError(
-                    400, exc.message, param="messages", code="context_length_exceeded"
-                ) from None
-            if positions is not None:
-                # Where each image sits lets the router expand it and match the blocks it fills.
-                media = tuple(
-                    msgspec.structs.replace(item, position=position)
-                    for item, position in zip(media, positions, strict=True)
-                )
-
+        media = await self._fit_images(req, ids, images, max_model_len) if images else ()
         requested = req.max_completion_tokens or req.max_tokens
         # vLLM checks the context against the prompt with each image expanded.
         expanded_len = len(ids) + sum((item.num_tokens or 1) - 1 for item in media)
+        stopping = self._stopping(req, expanded_len, max_model_len)
         counts_known = all(item.num_tokens is not None for item in media)
-        stopping = stopping_params(
-            req,
-            prompt_len=expanded_len,
-            requested=requested,
-            max_model_len=max_model_len,
-            vocab_size=self._tok.vocab_size,
-            prompt_param="messages",
-            max_param=max_param,
-        )
         top = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = prompt_logprobs_of(req)
-        skip_special = req.skip_special_tokens and not plan.needs_special_tokens
         prepared = PreparedRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -311,7 +254,7 @@ class ChatPreparer:
             output=OutputOptions(
                 logprobs=top,
                 prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=skip_special,
+                skip_special_tokens=req.skip_special_tokens and not plan.needs_special_tokens,
                 prompt_token_ids=not counts_known and self._image_token is not None,
             ),
             structured=structured,
@@ -335,6 +278,81 @@ class ChatPreparer:
             requested=requested,
             max_model_len=max_model_len,
             counts_known=counts_known,
+        )
+
+    def _check_fields(self, req: ChatCompletionRequest, rank: int | None) -> int | None:
+        """Refuse what the request asks and this gateway cannot do, before any rendering;
+        the rank pin the body and the header agree on."""
+        refuse_unsupported(req, _CHAT_REFUSED)
+        rank = resolve_rank(req.data_parallel_rank, rank)
+        if req.modalities is not None and req.modalities != ["text"]:
+            raise unsupported("modalities", 'supports only ["text"]')
+        check_fanout(1, req.n, self._limits)
+        if req.kv_transfer_params:
+            check_engine_json(req.kv_transfer_params, "kv_transfer_params")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        return rank
+
+    def _constraint(self, req: ChatCompletionRequest) -> tuple[OutputPlan, StructuredOutput | None]:
+        """The output plan and the one structured-output constraint the engine gets: the tool
+        choice's, the request's own, or neither."""
+        plan, forced = self._plan(req)
+        structured = structured_output(req, self._limits)
+        if forced is not None and structured is not None and not (plan.named or plan.required):
+            # tool_choice auto with strict tools or no parallel calls: the request's own
+            # constraint wins (vLLM would combine both; that needs xgrammar's grammar union).
+            forced = None
+        if forced is None:
+            return plan, structured
+        if structured is not None:
+            raise invalid(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "another structured-output constraint",
+                "tool_choice",
+            )
+        return plan, forced
+
+    async def _fit_images(
+        self,
+        req: ChatCompletionRequest,
+        ids: tuple[int, ...],
+        images: list[ImageRef],
+        max_model_len: int,
+    ) -> tuple[MediaInput, ...]:
+        """The images as engine media, each where it sits in the prompt, within what the
+        context leaves them: the text around them and the tokens asked for (at least one)
+        take the rest. Over that, vLLM's error for the prompt, counted from their headers."""
+        asked = req.max_completion_tokens or req.max_tokens or 1
+        text_len = len(ids) - len(images)
+        try:
+            media, positions = await self._images(ids, images, max_model_len - text_len - asked)
+        except ImagesOverBudget as exc:
+            self._stopping(req, text_len + exc.tokens, max_model_len)
+            raise ApiError(
+                400, exc.message, param="messages", code="context_length_exceeded"
+            ) from None
+        if positions is None:
+            return media
+        # Where each image sits lets the router expand it and match the blocks it fills.
+        return tuple(
+            msgspec.structs.replace(item, position=position)
+            for item, position in zip(media, positions, strict=True)
+        )
+
+    def _stopping(
+        self, req: ChatCompletionRequest, prompt_len: int, max_model_len: int
+    ) -> StoppingParams:
+        """The stopping parameters, or vLLM's 400 when a prompt of ``prompt_len`` tokens and
+        the tokens asked for cannot fit the context."""
+        return stopping_params(
+            req,
+            prompt_len=prompt_len,
+            requested=req.max_completion_tokens or req.max_tokens,
+            max_model_len=max_model_len,
+            vocab_size=self._tok.vocab_size,
+            prompt_param="messages",
+            max_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
 
     async def tokenize(
