@@ -31,7 +31,7 @@ from typing import Any
 import hpack
 
 import rankgate
-from rankgate.mocker import h2server
+from rankgate.mocker import h2_connection, h2server
 from rankgate.sidecar import http2
 from rankgate.sidecar.inference_client import GENERATE_STREAM
 from rankgate.sidecar.proto.vllm import inference_pb2
@@ -121,7 +121,7 @@ def _server(messages: int) -> float:
     """Seconds for ``messages`` messages through the server's send path."""
     server = h2server.H2Server(max_message=64 << 20)
     server.add_registered_method_handlers("vllm.Inference", {"GenerateStream": _Handler()})
-    conn = h2server.Connection(server)
+    conn = h2_connection.Connection(server)
     conn.connection_made(_Transport())
     block = hpack.Encoder().encode(
         [(":method", "POST"), (":path", GENERATE_STREAM), ("content-type", "application/grpc")]
