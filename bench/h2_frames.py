@@ -32,7 +32,7 @@ import hpack
 
 import rankgate
 from rankgate.mocker import h2_connection, h2server
-from rankgate.sidecar import http2
+from rankgate.sidecar import grpc_call, http2
 from rankgate.sidecar.inference_client import GENERATE_STREAM
 from rankgate.sidecar.proto.vllm import inference_pb2
 
@@ -68,13 +68,13 @@ def _client(messages: int, batch: int) -> float:
     """Seconds for ``messages`` messages through the client's receive path."""
     conn = http2.Connection(64 << 20, lambda _: None, lambda *_: None)
     conn.connection_made(_Transport())
-    headers = http2.request_headers("http", "engine", GENERATE_STREAM)
-    call: Any = http2.Call(inference_pb2.GenerateResponse.FromString)
-    conn.start(call, headers, http2.grpc_message(b""))
+    headers = grpc_call.request_headers("http", "engine", GENERATE_STREAM)
+    call: Any = grpc_call.Call(inference_pb2.GenerateResponse.FromString)
+    conn.start(call, headers, grpc_call.grpc_message(b""))
     conn.data_received(_frame(4, 0, 0, b""))
     ok = b"\x88" + b"\x5f\x10application/grpc"
     conn.data_received(_frame(1, 4, 1, ok))
-    data = _frame(0, 0, 1, http2.grpc_message(_TOKEN))
+    data = _frame(0, 0, 1, grpc_call.grpc_message(_TOKEN))
     chunk = data * batch
     take = call._next
     rounds = messages // batch
@@ -92,14 +92,14 @@ def _requests(count: int) -> float:
     conn = http2.Connection(64 << 20, lambda _: None, lambda *_: None)
     conn.connection_made(_Transport())
     conn.data_received(_frame(4, 0, 0, b"") + _frame(8, 0, 0, struct.pack(">L", 1 << 30)))
-    headers = http2.request_headers("http", "engine", GENERATE_STREAM)
-    body = http2.grpc_message(b"\x0a\x01r" * 20)
+    headers = grpc_call.request_headers("http", "engine", GENERATE_STREAM)
+    body = grpc_call.grpc_message(b"\x0a\x01r" * 20)
     encoder = hpack.Encoder()
-    message = http2.grpc_message(_TOKEN)
+    message = grpc_call.grpc_message(_TOKEN)
     parse = inference_pb2.GenerateResponse.FromString
 
     def call(sid: int, ok: bytes, done: bytes) -> None:
-        unary: Any = http2.UnaryCall(parse)
+        unary: Any = grpc_call.UnaryCall(parse)
         conn.start(unary, headers, body)
         conn.data_received(
             _frame(1, 4, sid, ok) + _frame(0, 0, sid, message) + _frame(1, 5, sid, done)

@@ -75,8 +75,9 @@ class MockEngineConfig:
     # The "weights": a different seed is a different model, so the same prompt continues
     # differently; the same seed always reproduces the same outputs.
     seed: int = 0
-    # Chance per generated token (after ``min_tokens``) that the model ends by itself with EOS;
-    # 0 behaves like a small random model, which practically never samples EOS.
+    # Chance per generated token (after ``min_tokens``, and never the first: a chat model says
+    # something) that the model ends by itself with EOS; 0 behaves like a small random model,
+    # which practically never samples EOS.
     eos_probability: float = 0.0
     # Input capabilities.
     supports_text_input: bool = True

@@ -184,6 +184,7 @@ class Sequence:
             return spec.forced[step] if step < len(spec.forced) else eos
         if (
             may_stop
+            and step
             and not spec.ignore_eos
             and spec.eos_probability > 0.0
             and ((ctx >> 11) & 0xFFFFF) / 0x100000 < spec.eos_probability

@@ -20,7 +20,8 @@ from typing import Any
 from rankgate.sidecar.convert import merge_responses, wants_logprobs
 from rankgate.sidecar.endpoint import Endpoint
 from rankgate.sidecar.errors import SidecarError
-from rankgate.sidecar.http2 import Call, Connection, UnaryCall, grpc_message, request_headers
+from rankgate.sidecar.grpc_call import Call, UnaryCall, grpc_message, request_headers
+from rankgate.sidecar.http2 import Connection
 from rankgate.sidecar.proto.vllm import inference_pb2
 from rankgate.sidecar.status import Status, error_from_status
 

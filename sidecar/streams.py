@@ -33,7 +33,7 @@ from rankgate.sidecar.errors import (
     EngineUnavailable,
     SidecarError,
 )
-from rankgate.sidecar.http2 import Call
+from rankgate.sidecar.grpc_call import Call
 from rankgate.sidecar.inference_client import GenerateRequest, GenerateResponse
 from rankgate.sidecar.lifecycle import Lifecycle, rank_metadata
 from rankgate.sidecar.routing.base import Router, RouteTicket

@@ -19,7 +19,7 @@ import grpc
 import hpack
 import pytest
 
-from rankgate.sidecar import http2
+from rankgate.sidecar import grpc_call, http2
 from rankgate.sidecar.convert import merge_responses
 from rankgate.sidecar.endpoint import parse_endpoint
 from rankgate.sidecar.errors import (
@@ -314,7 +314,7 @@ class _Peer:
     def reply(self, stream_id: int, *messages: bytes, status: int = 0, message: str = "") -> None:
         self.send(frames.HEADERS, frames.END_HEADERS, stream_id, self.headers(_OK))
         for payload in messages:
-            self.send(frames.DATA, 0, stream_id, http2.grpc_message(payload))
+            self.send(frames.DATA, 0, stream_id, grpc_call.grpc_message(payload))
         trailers = [("grpc-status", str(status))] + ([("grpc-message", message)] if message else [])
         self.send(
             frames.HEADERS,
@@ -362,7 +362,7 @@ async def test_padding_continuation_and_split_messages() -> None:
                   b"\x03" + priority + block[:1] + b"pad")  # fmt: skip
         peer.send(frames.CONTINUATION, frames.END_HEADERS, sid, block[1:])
         # One message split over three DATA frames, the middle one padded; then two in one.
-        one = http2.grpc_message(_TOKEN)
+        one = grpc_call.grpc_message(_TOKEN)
         peer.send(frames.DATA, 0, sid, one[:3])
         peer.send(frames.DATA, frames.PADDED, sid, b"\x02" + one[3:9] + b"\x00\x00")
         peer.send(frames.DATA, 0, sid, one[9:])
@@ -416,7 +416,7 @@ async def test_messages_already_waiting_are_merged_into_one() -> None:
         assert len(first) == 1
         far_behind = await _all(client.GenerateStream(_request("many")))
         assert _tokens(far_behind) == list(range(40))
-        assert all(len(m.outputs.token_ids) <= http2.MAX_MERGED + 1 for m in far_behind)
+        assert all(len(m.outputs.token_ids) <= grpc_call.MAX_MERGED + 1 for m in far_behind)
         merged = first[0]
         assert merged.prompt_info.num_prompt_tokens == 9
         assert list(merged.outputs.token_ids) == [0, 1, 2, 3]
@@ -431,28 +431,28 @@ async def test_messages_already_waiting_are_merged_into_one() -> None:
 
 async def test_one_read_merges_at_most_max_merged_more() -> None:
     conn = http2.Connection(MAX_MESSAGE, lambda _: None, lambda *_: None)
-    call = http2.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
-    call._conn = conn
+    call = grpc_call.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
+    call.conn = conn
     call.on_headers(_OK, end_stream=False)
-    data = b"".join(http2.grpc_message(_message(token_ids=[i])) for i in range(40))
+    data = b"".join(grpc_call.grpc_message(_message(token_ids=[i])) for i in range(40))
     call.on_data(data, len(data), False)
     call.on_headers([("grpc-status", "0")], end_stream=True)
     reads = [await call.read() for _ in range(3)]
     assert [list(m.outputs.token_ids) for m in reads[:2] if m is not None] == [
-        list(range(http2.MAX_MERGED + 1)),
-        list(range(http2.MAX_MERGED + 1, 40)),
+        list(range(grpc_call.MAX_MERGED + 1)),
+        list(range(grpc_call.MAX_MERGED + 1, 40)),
     ]
     assert reads[2] is None
 
 
 async def test_a_declined_merge_hands_the_messages_out_in_order() -> None:
-    call = http2.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
-    call._conn = http2.Connection(MAX_MESSAGE, lambda _: None, lambda *_: None)
+    call = grpc_call.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
+    call.conn = http2.Connection(MAX_MESSAGE, lambda _: None, lambda *_: None)
     call.on_headers(_OK, end_stream=False)
     finish = inference_pb2.FinishInfo(finish_reason=inference_pb2.FinishInfo.LENGTH)
     # Nothing may follow a finish, so these three are not merged.
     data = b"".join(
-        http2.grpc_message(payload)
+        grpc_call.grpc_message(payload)
         for payload in (
             _message(text="a", token_ids=[1]),
             _message(text="b", token_ids=[2], finish_info=finish),
@@ -485,7 +485,7 @@ async def test_trailers_only_and_http_errors() -> None:
             )  # fmt: skip
         elif rid == "no-trailers":
             peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
-            peer.send(frames.DATA, frames.END_STREAM, sid, http2.grpc_message(_TOKEN))
+            peer.send(frames.DATA, frames.END_STREAM, sid, grpc_call.grpc_message(_TOKEN))
         else:
             peer.reply(sid, _TOKEN, status=99)
 
@@ -708,7 +708,7 @@ async def test_data_inside_an_open_header_block_is_refused() -> None:
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         block = peer.headers(_OK)
         peer.send(frames.HEADERS, 0, sid, block[:1])
-        peer.send(frames.DATA, 0, sid, http2.grpc_message(_TOKEN))
+        peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(_TOKEN))
         peer.send(frames.CONTINUATION, frames.END_HEADERS, sid, block[1:])
 
     await _refused_with(script, frames.ErrorCode.PROTOCOL_ERROR, "header block was interrupted")
@@ -777,7 +777,7 @@ async def test_a_frame_above_the_advertised_maximum_is_refused() -> None:
 
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
-        peer.send(frames.DATA, 0, sid, http2.grpc_message(b"\x00" * 100_000))
+        peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(b"\x00" * 100_000))
 
     await _refused_with(
         script, frames.ErrorCode.FRAME_SIZE_ERROR, "a frame of 100005 bytes exceeds 16384"
