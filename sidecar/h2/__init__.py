@@ -4,5 +4,5 @@ gRPC server both run on: frames, settings, flow control, header blocks, limits a
 Nothing here touches a socket, an event loop or gRPC; a role feeds received bytes to
 :meth:`~sidecar.h2.connection.H2Connection.receive`, sends through its ``write`` and hears
 about streams through a few hooks. The roles are :mod:`sidecar.http2` (client) and
-:mod:`mocker.h2server` (server).
+:mod:`mocker.h2_connection` (server).
 """

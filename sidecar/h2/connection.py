@@ -14,26 +14,21 @@ and no extra call layer between the parser and the reader.
 
 Receive flow control: the core tracks both windows the peer may still fill and treats an
 overrun as a connection error; the connection window is re-opened by the core itself every
-``connection_credit_step`` bytes, a stream's only when its role calls :meth:`grant` (so a
-slow reader can stop its peer). Send flow control: :meth:`send_data` sends what the peer's
-windows and frame size allow and keeps the rest on the stream until WINDOW_UPDATE or SETTINGS
-open room.
+``connection_credit_step`` bytes, a stream's only when its role calls ``grant`` (so a slow
+reader can stop its peer). The state and the sending side it parses into are
+:class:`sidecar.h2.sending.H2Sending`; the stream record is :mod:`sidecar.h2.stream`.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Generic, TypeVar
-
 import hpack
 
-from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError, StreamIdsExhausted
+from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
 from rankgate.sidecar.h2.frames import (
     ACK,
     CONTINUATION,
     DATA,
     DEFAULT_MAX_FRAME,
-    DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
     FRAME_HEAD,
@@ -45,7 +40,6 @@ from rankgate.sidecar.h2.frames import (
     MAX_WINDOW,
     PADDED,
     PING,
-    PREFACE,
     PRIORITY,
     PRIORITY_FLAG,
     PUSH_PROMISE,
@@ -60,20 +54,14 @@ from rankgate.sidecar.h2.frames import (
     WINDOW_UPDATE,
     ErrorCode,
     frame,
-    frame_head,
-    settings_frame,
 )
-from rankgate.sidecar.h2.headers import HeaderDecoder
-
-# A header block (HEADERS and its CONTINUATIONs) larger than this, or split into more frames,
-# ends the connection before it is decoded: the CONTINUATION flood of RFC 9113 section 10.5.
-MAX_HEADER_BLOCK = 64 << 10
-MAX_HEADER_FRAMES = 64
-# Streams this end reset whose late frames are still ignored, newest kept.
-RESET_MEMORY = 4096
-
-# A stream's receive states (RFC 9113 section 8.1: header block, DATA, optional trailers).
-AWAITING_HEADERS, RECEIVING, REMOTE_CLOSED = range(3)
+from rankgate.sidecar.h2.sending import (
+    MAX_HEADER_BLOCK,
+    MAX_HEADER_FRAMES,
+    H2Sending,
+    S,
+)
+from rankgate.sidecar.h2.stream import AWAITING_HEADERS, RECEIVING, REMOTE_CLOSED, H2Stream
 
 _PROTOCOL_ERROR = ErrorCode.PROTOCOL_ERROR
 _FRAME_SIZE_ERROR = ErrorCode.FRAME_SIZE_ERROR
@@ -83,306 +71,9 @@ _STREAM_CLOSED = ErrorCode.STREAM_CLOSED
 _BLOCK_FLAGS = PADDED | PRIORITY_FLAG | END_HEADERS
 
 
-class H2Stream:
-    """The core's record of one stream; a role subclasses it and overrides the hooks."""
-
-    __slots__ = (
-        "pending",
-        "pending_end",
-        "recv_state",
-        "recv_window",
-        "send_window",
-        "stream_id",
-    )
-
-    def __init__(self) -> None:
-        self.stream_id = 0
-        self.send_window = DEFAULT_WINDOW
-        self.recv_window = DEFAULT_WINDOW
-        # What the peer may send next: its header block, DATA and trailers, or nothing.
-        self.recv_state = AWAITING_HEADERS
-        # DATA waiting for the peer's windows, and whether END_STREAM goes with its last byte.
-        self.pending: bytearray | None = None
-        self.pending_end = False
-
-    @property
-    def remote_closed(self) -> bool:
-        """The peer ended its side of the stream."""
-        return self.recv_state == REMOTE_CLOSED
-
-    def on_headers(self, headers: list[tuple[str, str]], end_stream: bool) -> None:
-        """A complete header block (response headers or trailers; the list is shared)."""
-
-    def on_data(self, data: bytes, flow: int, end_stream: bool) -> None:
-        """DATA without padding; ``flow`` is what it counted against the windows."""
-
-    def on_reset(self, code: int) -> None:
-        """The peer reset the stream (it is no longer known to the connection)."""
-
-    def on_stream_error(self, error: H2StreamError) -> None:
-        """The peer broke the protocol on this stream; the core has reset it."""
-
-    def on_drained(self) -> None:
-        """Everything :meth:`H2Connection.send_data` held back has been sent."""
-
-
-S = TypeVar("S", bound=H2Stream)
-
-
-class H2Connection(Generic[S]):
-    """The protocol state of one connection, for the client or the server end."""
-
-    def __init__(
-        self,
-        *,
-        client: bool,
-        settings: tuple[tuple[int, int], ...] = (),
-        connection_window: int = DEFAULT_WINDOW,
-        connection_credit_step: int | None = None,
-        max_header_block: int = MAX_HEADER_BLOCK,
-    ) -> None:
-        self.client = client
-        # Frames to send, in order; the role hands them to its transport (data_to_send).
-        self.out: list[bytes] = []
-        self.streams: dict[int, S] = {}
-        self.closed = False
-        self._local_settings = settings
-        self.local_initial_window = DEFAULT_WINDOW
-        for key, value in settings:
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                self.local_initial_window = value
-        self.peer_max_frame = DEFAULT_MAX_FRAME
-        self.peer_initial_window = DEFAULT_WINDOW
-        self.peer_max_streams = MAX_STREAM_ID
-        self.send_window = DEFAULT_WINDOW
-        self._blocked: deque[S] = deque()
-        self._connection_window = connection_window
-        self._recv_window = connection_window
-        # The connection window is re-opened in full once it is this low.
-        self._grant_below = connection_window - (connection_credit_step or MAX_WINDOW + 1)
-        self._buffer = b""
-        self._preface_left = b"" if client else PREFACE
-        self._awaiting_settings = True
-        self._decoder = HeaderDecoder(max_header_block)
-        self._max_header_block = max_header_block
-        self._header_block: bytearray | None = None
-        self._header_stream = 0
-        self._header_end = False
-        self._header_frames = 0
-        # Client: the id the next stream gets. Server: the highest id the peer opened.
-        self.next_stream_id = 1
-        self.last_peer_stream = 0
-        self._resets: dict[int, None] = {}
-
-    # ---------------------------------------------------------------- hooks (the role's)
-
-    def on_new_stream(self, stream_id: int, headers: list[tuple[str, str]], end: bool) -> None:
-        """Server: the peer opened a stream; :meth:`add_stream` or :meth:`refuse` it."""
-        self.refuse(stream_id, ErrorCode.REFUSED_STREAM)
-
-    def on_settings(self) -> None:
-        """The peer's SETTINGS were applied (limits may have grown)."""
-
-    def on_goaway(self, last_stream_id: int, code: int, debug: bytes) -> None:
-        """The peer takes no stream above ``last_stream_id``."""
-
-    def on_ping_ack(self, payload: bytes) -> None:
-        """The peer answered a PING."""
-
-    # ---------------------------------------------------------------- sending
-
-    def data_to_send(self) -> bytes:
-        """Everything queued to send since the last call, as one write."""
-        out = self.out
-        if not out:
-            return b""
-        data = b"".join(out)
-        out.clear()
-        return data
-
-    def initiate(self) -> None:
-        """This end's connection preface: the client magic, SETTINGS, and the room beyond the
-        default connection window."""
-        out = settings_frame(self._local_settings)
-        if self.client:
-            out = PREFACE + out
-        extra = self._connection_window - DEFAULT_WINDOW
-        if extra > 0:
-            out += frame(WINDOW_UPDATE, 0, 0, U32.pack(extra))
-        self.out.append(out)
-
-    @property
-    def can_open(self) -> bool:
-        """Client: whether a stream id is left on this connection."""
-        return self.next_stream_id <= MAX_STREAM_ID
-
-    def open_stream(self, stream: S) -> int:
-        """Client: give ``stream`` the next id and track it; its HEADERS are the caller's."""
-        stream_id = self.next_stream_id
-        if stream_id > MAX_STREAM_ID:
-            raise StreamIdsExhausted()
-        self.next_stream_id = stream_id + 2
-        stream.stream_id = stream_id
-        stream.send_window = self.peer_initial_window
-        stream.recv_window = self.local_initial_window
-        self.streams[stream_id] = stream
-        return stream_id
-
-    def add_stream(self, stream: S, stream_id: int, end_stream: bool) -> None:
-        """Server: track a stream the peer opened (from ``on_new_stream``)."""
-        self._track(stream, stream_id)
-        stream.recv_state = REMOTE_CLOSED if end_stream else RECEIVING
-
-    def _track(self, stream: S, stream_id: int) -> None:
-        stream.stream_id = stream_id
-        stream.send_window = self.peer_initial_window
-        stream.recv_window = self.local_initial_window
-        self.streams[stream_id] = stream
-
-    def close_stream(self, stream: S) -> None:
-        """Forget a stream that is over for this end (no RST_STREAM sent)."""
-        if self.streams.get(stream.stream_id) is stream:
-            del self.streams[stream.stream_id]
-            if stream.recv_state != REMOTE_CLOSED:
-                # The peer may still be sending on it: late frames are not an error.
-                self._remember_reset(stream.stream_id)
-
-    def reset_stream(self, stream: S, code: int) -> None:
-        """RST_STREAM towards the peer; the stream is forgotten, its late frames ignored."""
-        stream_id = stream.stream_id
-        if self.streams.get(stream_id) is stream:
-            del self.streams[stream_id]
-            self._remember_reset(stream_id)
-            self.out.append(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
-
-    def refuse(self, stream_id: int, code: int) -> None:
-        """Server: reset a stream the peer opened that was never tracked."""
-        self._remember_reset(stream_id)
-        self.out.append(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
-
-    def _remember_reset(self, stream_id: int) -> None:
-        resets = self._resets
-        resets[stream_id] = None
-        if len(resets) > RESET_MEMORY:
-            del resets[next(iter(resets))]
-
-    def send_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
-        """A header block, split into HEADERS and CONTINUATION at the peer's frame size."""
-        size = len(block)
-        if size <= self.peer_max_frame:
-            flags = END_STREAM | END_HEADERS if end_stream else END_HEADERS
-            self.out.append(
-                FRAME_HEAD.pack(size >> 8, size & 0xFF, HEADERS, flags, stream_id) + block
-            )
-            return
-        self.out.append(self.header_frames(stream_id, block, end_stream))
-
-    def header_frames(self, stream_id: int, block: bytes, end_stream: bool) -> bytes:
-        """The frames :meth:`send_headers` would write."""
-        flags = END_STREAM if end_stream else 0
-        limit = self.peer_max_frame
-        if len(block) <= limit:
-            return frame_head(HEADERS, flags | END_HEADERS, stream_id, len(block)) + block
-        parts = [frame_head(HEADERS, flags, stream_id, limit) + block[:limit]]
-        at = limit
-        while at < len(block):
-            chunk = block[at : at + limit]
-            at += limit
-            last = END_HEADERS if at >= len(block) else 0
-            parts.append(frame_head(CONTINUATION, last, stream_id, len(chunk)) + chunk)
-        return b"".join(parts)
-
-    def send_data(
-        self, stream: S, data: bytes, end_stream: bool = False, prefix: bytes = b""
-    ) -> bool:
-        """Send ``prefix`` and ``data`` as one DATA payload, as far as the peer's windows and
-        frame size allow; the rest waits on the stream and goes out as room opens. True when
-        all of it left now. ``prefix`` spares the caller joining a small head (a gRPC message
-        head) to a large body."""
-        size = len(data) + len(prefix)
-        if (
-            stream.pending is None
-            and size <= stream.send_window
-            and size <= self.send_window
-            and size <= self.peer_max_frame
-        ):
-            stream.send_window -= size
-            self.send_window -= size
-            flags = END_STREAM if end_stream else 0
-            out = self.out
-            out.append(
-                FRAME_HEAD.pack(size >> 8, size & 0xFF, DATA, flags, stream.stream_id) + prefix
-            )
-            out.append(data)
-            return True
-        if prefix:
-            data = prefix + data
-        if stream.pending is None:
-            stream.pending = bytearray(data)
-            self._blocked.append(stream)
-        else:
-            stream.pending += data
-        stream.pending_end = end_stream
-        self._drain()
-        return stream.pending is None
-
-    def reserve(self, stream: S, size: int) -> bool:
-        """Take ``size`` bytes of the peer's windows for one DATA frame the caller frames and
-        queues itself (a role whose payload has a head of its own saves joining them); False,
-        with nothing taken, when such a frame cannot go now (then use :meth:`send_data`)."""
-        if (
-            stream.pending is None
-            and size <= stream.send_window
-            and size <= self.send_window
-            and size <= self.peer_max_frame
-        ):
-            stream.send_window -= size
-            self.send_window -= size
-            return True
-        return False
-
-    def _drain(self) -> None:
-        """Send what the windows allow of every stream waiting for them."""
-        blocked = self._blocked
-        streams = self.streams
-        for _ in range(len(blocked)):
-            if self.send_window <= 0:
-                return
-            stream = blocked.popleft()
-            pending = stream.pending
-            if pending is None or streams.get(stream.stream_id) is not stream:
-                stream.pending = None
-                continue
-            parts = []
-            while pending and self.send_window > 0 and stream.send_window > 0:
-                size = min(len(pending), self.peer_max_frame, self.send_window, stream.send_window)
-                last = size == len(pending)
-                flags = END_STREAM if last and stream.pending_end else 0
-                parts.append(frame_head(DATA, flags, stream.stream_id, size) + pending[:size])
-                del pending[:size]
-                self.send_window -= size
-                stream.send_window -= size
-            if parts:
-                self.out.append(b"".join(parts))
-            if pending:
-                blocked.append(stream)
-                continue
-            stream.pending = None
-            stream.on_drained()
-
-    def grant(self, stream: S, size: int) -> None:
-        """Let the peer send ``size`` more bytes on ``stream``."""
-        stream.recv_window += size
-        self.out.append(frame(WINDOW_UPDATE, 0, stream.stream_id, U32.pack(size)))
-
-    def send_ping(self, payload: bytes) -> None:
-        self.out.append(frame(PING, 0, 0, payload))
-
-    def send_goaway(self, code: int, debug: bytes = b"") -> None:
-        last = 0 if self.client else self.last_peer_stream
-        self.out.append(frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(last, code) + debug))
-
-    # ---------------------------------------------------------------- receiving
+class H2Connection(H2Sending[S]):
+    """A connection's protocol state with its frame parser: :meth:`receive` takes the bytes
+    received, enforces RFC 9113 and calls the role's hooks."""
 
     def receive(self, data: bytes) -> None:
         """Handle received bytes. Raises :class:`H2ConnectionError` (after queuing GOAWAY)
@@ -735,3 +426,6 @@ class H2Connection(Generic[S]):
                 self.peer_max_streams = value
             elif key == SETTINGS_ENABLE_PUSH and (value > 1 or (value and self.client)):
                 raise self._connection_error(_PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH of {value}")
+
+
+__all__ = ["MAX_HEADER_BLOCK", "MAX_HEADER_FRAMES", "H2Connection", "H2Stream"]
