@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from rankgate.app.respond.parsers import json_calls, markup, reasoning
+from rankgate.app.respond.parsers import json_calls, markup_formats, reasoning
 from rankgate.app.respond.parsers.choice import (
     OutputPlan,
     mistral_call_id,
@@ -141,7 +141,7 @@ def _splitter(
             starts_inside=True,
             implicit_ends=("<tool_call>",),
             strip_trailing=False,
-            known=tuple(markup.QWEN_SPEC.markers.values()),
+            known=tuple(markup_formats.QWEN_SPEC.markers.values()),
         )
     elif name in ("glm45", "glm47"):
         config = reasoning.MarkupConfig(
@@ -150,7 +150,7 @@ def _splitter(
             starts_inside=True,
             implicit_ends=("<tool_call>",),
             reopens=True,
-            known=tuple(markup.GLM_SPEC.markers.values()),
+            known=tuple(markup_formats.GLM_SPEC.markers.values()),
         )
     else:  # mistral, with [THINK] in the vocabulary
         config = reasoning.MarkupConfig(
@@ -190,17 +190,17 @@ def _syntax(name: str, thinking: bool, reasoning_on: bool, vocab: Vocabulary) ->
     if name == "xlam":
         return json_calls.Xlam()
     if name in ("qwen3_coder", "qwen3_xml"):
-        return markup.qwen3_coder(special, reasoning_on)
+        return markup_formats.qwen3_coder(special, reasoning_on)
     if name in ("glm45", "glm47"):
-        return markup.glm45(special, thinking, reasoning_on)
+        return markup_formats.glm45(special, thinking, reasoning_on)
     if name == "kimi_k2":
-        return markup.kimi_k2(special, thinking, reasoning_on)
+        return markup_formats.kimi_k2(special, thinking, reasoning_on)
     if name == "granite":
-        return markup.granite(special)
+        return markup_formats.granite(special)
     if name == "mistral":
         if not vocab.has("[ARGS]"):
             return json_calls.MistralJson()
-        return markup.mistral_v11(special, vocab.has("[THINK]"), reasoning_on)
+        return markup_formats.mistral_v11(special, vocab.has("[THINK]"), reasoning_on)
     raise KeyError(name)
 
 
