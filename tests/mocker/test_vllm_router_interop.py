@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,23 @@ pytestmark = [
 ]
 
 
+# vllm-router's debug line for each KV-event batch it applied, without the terminal colours.
+_APPLIED = re.compile(r"kv_index live sequence advanced .*?rank=(\d+) seq=(\d+)")
+_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True)
+class RouterProcess:
+    base: str
+    log: Path
+
+    def applied(self, rank: int) -> int:
+        """How many KV-event batches from ``rank`` the router has applied, by its own log."""
+        text = _COLOURS.sub("", self.log.read_text())
+        seqs = [int(seq) for r, seq in _APPLIED.findall(text) if int(r) == rank]
+        return max(seqs) + 1 if seqs else 0
+
+
 def long_message(tag: str) -> str:
     return " ".join(f"{tag}: the quick brown fox jumps over lazy dog {i}." for i in range(24))
 
@@ -67,8 +86,10 @@ def mock() -> Iterator[MockEngineHandle]:
 
 
 @pytest.fixture(scope="module")
-def router(mock: MockEngineHandle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The router process, pointed at the mocker; yields its base URL."""
+def router(
+    mock: MockEngineHandle, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RouterProcess]:
+    """The router process, pointed at the mocker."""
     model_dir = tmp_path_factory.mktemp("router-model")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TOKENIZER_DIR / name, model_dir / name)
@@ -114,7 +135,7 @@ def router(mock: MockEngineHandle, tmp_path_factory: pytest.TempPathFactory) -> 
             if time.monotonic() > deadline:
                 pytest.fail("vllm-router did not become healthy in 30 s")
             time.sleep(0.2)
-        yield base
+        yield RouterProcess(base, model_dir / "router.log")
     finally:
         process.terminate()
         try:
@@ -181,9 +202,11 @@ def pin(mock: MockEngineHandle, rank: int, prompt: list[int]) -> None:
         )
 
 
-def test_router_serves_chat_through_the_mocker(mock: MockEngineHandle, router: str) -> None:
+def test_router_serves_chat_through_the_mocker(
+    mock: MockEngineHandle, router: RouterProcess
+) -> None:
     before = served_counts(mock)
-    body = chat(router, "hello there, mock engine")
+    body = chat(router.base, "hello there, mock engine")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length"
     assert isinstance(choice["message"]["content"], str)
@@ -192,11 +215,13 @@ def test_router_serves_chat_through_the_mocker(mock: MockEngineHandle, router: s
     served_by(mock, before)
 
 
-def test_repeated_prompt_follows_the_kv_events(mock: MockEngineHandle, router: str) -> None:
+def test_repeated_prompt_follows_the_kv_events(
+    mock: MockEngineHandle, router: RouterProcess
+) -> None:
     # Which rank does the router pick for a prompt nobody has seen?
     probe = long_message("probe")
     before = served_counts(mock)
-    chat(router, probe)
+    chat(router.base, probe)
     default_rank = served_by(mock, before)
     sent = mock.recent_prompts(default_rank)[-1][1]
     assert sent == render_prompt(probe), "the rendering below must match the router's"
@@ -209,12 +234,16 @@ def test_repeated_prompt_follows_the_kv_events(mock: MockEngineHandle, router: s
     published = mock.stats(target).kv_batches_published
     pin(mock, target, prompt)
     assert mock.stats(target).kv_batches_published > published
-    time.sleep(0.5)  # let the router's subscriber apply the BlockStored events
+    published = mock.stats(target).kv_batches_published
+    deadline = time.monotonic() + 10
+    while router.applied(target) < published:
+        assert time.monotonic() < deadline, "vllm-router never applied the BlockStored events"
+        time.sleep(0.01)
 
     for _ in range(3):
         cached = mock.stats(target).cached_tokens
         before = served_counts(mock)
-        chat(router, content)
+        chat(router.base, content)
         assert served_by(mock, before) == target
         hit = mock.stats(target).cached_tokens - cached
         assert hit >= (len(prompt) - 1) // BLOCK * BLOCK - BLOCK

@@ -138,6 +138,7 @@ async def event_rig(
         config: RoutingConfig | None = None,
         kv_blocks: int = 1000,
         max_running: int = 64,
+        clock: Callable[[], float] = time.monotonic,
     ) -> EventRig:
         publishers = [TestPublisher(rank, replay=replay) for rank in ranks]
         sources = [
@@ -149,11 +150,11 @@ async def event_rig(
             first = SharedLoadBoard.create(2)
             second = SharedLoadBoard.attach(first.name, 2, 1)
             boards[:0] = [second, first]
-            intake_router = build_router(config or UNSHARED, registry, first)
+            intake_router = build_router(config or UNSHARED, registry, first, clock)
             made.append((intake_router, []))
             intake_router.configure(info)
             await intake_router.start()
-        router = build_router(config or UNSHARED, registry, boards[0] if boards else None)
+        router = build_router(config or UNSHARED, registry, boards[0] if boards else None, clock)
         made.append((router, publishers))
         router.configure(info)
         await router.start()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -110,7 +108,8 @@ async def test_recent_work_fades_and_never_outweighs_a_long_cached_prefix(
     event_rig: RigFactory,
 ) -> None:
     config = RoutingConfig(share_weight=0, pending_ttl=0, recent_half_life=0.2)
-    rig = await event_rig(config=config)
+    now = [0.0]
+    rig = await event_rig(config=config, clock=lambda: now[0])
     history = list(range(3000, 3000 + 8 * BLOCK))
     rig.publishers[0].publish([stored(list(range(10, 18)), history, block_size=BLOCK)])
     await rig.settle(0, 1)
@@ -125,9 +124,9 @@ async def test_recent_work_fades_and_never_outweighs_a_long_cached_prefix(
     assert recent is not None
     before = recent.current()[0]
     assert before > 0
-    await asyncio.sleep(0.4)
-    # Two half-lives later a quarter is left (less whatever the clock adds).
-    assert recent.current()[0] <= before / 4 * 1.05
+    now[0] += 0.4
+    # Two half-lives later a quarter is left.
+    assert recent.current()[0] == pytest.approx(before / 4)
 
 
 async def test_a_rank_sent_more_than_its_share_opens_a_second_copy_of_a_hot_prefix() -> None:
@@ -207,7 +206,10 @@ async def test_client_pin_is_honoured_and_counted(registry: CollectorRegistry) -
 
 
 async def test_events_off_prediction_expires() -> None:
-    router = build_router(RoutingConfig(share_weight=0, predict_ttl=0.3), CollectorRegistry())
+    now = [0.0]
+    router = build_router(
+        RoutingConfig(share_weight=0, predict_ttl=0.3), CollectorRegistry(), clock=lambda: now[0]
+    )
     router.configure(engine_info((0, 1, 2, 3)))
     turn1 = list(range(500, 600))
     first = router.route(prepared(turn1, "t1"))
@@ -216,7 +218,9 @@ async def test_events_off_prediction_expires() -> None:
     assert turn2.decision.rank == first.decision.rank
     assert turn2.decision.cached_tokens == 100
     turn2.finished()
-    await asyncio.sleep(0.4)
+    now[0] += 0.29
+    assert router.route(prepared([*turn1, *range(600, 650)], "t2b")).decision.cached_tokens > 0
+    now[0] += 0.4
     turn3 = router.route(prepared([*turn1, *range(600, 700)], "t3"))
     assert turn3.decision.cached_tokens == 0
 

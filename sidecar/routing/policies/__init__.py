@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
@@ -25,7 +26,9 @@ from rankgate.sidecar.routing.shared_load import SharedLoadBoard
 
 log = logging.getLogger(__name__)
 
-RANKED: dict[PolicyName, Callable[[RoutingConfig, RoutingMetrics], RankedRouter]] = {
+Clock = Callable[[], float]
+
+RANKED: dict[PolicyName, Callable[[RoutingConfig, RoutingMetrics, Clock], RankedRouter]] = {
     "kv": KvRouter,
     "load": LoadRouter,
     "round_robin": RoundRobinRouter,
@@ -36,17 +39,19 @@ def build_router(
     config: RoutingConfig,
     registry: CollectorRegistry | None = None,
     shared_load: SharedLoadBoard | None = None,
+    clock: Clock = time.monotonic,
 ) -> Router:
     """The router for ``config.policy``; its metrics go to ``registry`` (default: global).
 
-    ``shared_load`` is the board worker processes share their per-rank load through.
+    ``shared_load`` is the board worker processes share their per-rank load through; ``clock``
+    is what its decays and expiries read (tests give one they move by hand).
     """
     metrics = routing_metrics(registry)
     # Every tunable, once per router: what an operator's flags and environment amounted to.
     log.info("routing: %r", config)
     if config.policy == "engine":
         return EngineRouter(metrics)
-    router = RANKED[config.policy](config, metrics)
+    router = RANKED[config.policy](config, metrics, clock)
     router.shared_load = shared_load
     return router
 
