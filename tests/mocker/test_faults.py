@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.mocker.conftest import Client, engine, prompt, request
+from tests.support.polling import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -26,8 +27,7 @@ def test_slow_start_reports_not_serving_then_serving() -> None:
         try:
             assert health_of(c) == NOT_SERVING
             assert health_of(c, "") == NOT_SERVING
-            time.sleep(0.6)
-            assert health_of(c) == SERVING
+            wait_until(lambda: health_of(c) == SERVING, 10, "SERVING after the start-up delay")
             assert health_of(c, "vllm.Control") == SERVING
         finally:
             c.close()

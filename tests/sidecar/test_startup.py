@@ -23,6 +23,7 @@ from tests.sidecar.fake_vllm import (
     SERVING,
     FakeServer,
     FakeVllm,
+    eventually,
     model_info,
     server_info,
 )
@@ -68,10 +69,16 @@ async def test_start_waits_for_control_then_inference(
     fake.fake.health["vllm.Control"] = NOT_SERVING
     fake.fake.health["vllm.Inference"] = NOT_SERVING
     starting = asyncio.ensure_future(start_sidecar())
-    await asyncio.sleep(0.3)
+
+    async def asked_again() -> None:
+        """Until the sidecar has checked health twice more, each time finding it not ready."""
+        asked = fake.fake.health_checks
+        await eventually(lambda: fake.fake.health_checks >= asked + 2)
+
+    await asked_again()
     assert not starting.done()
     fake.fake.health["vllm.Control"] = SERVING
-    await asyncio.sleep(0.3)
+    await asked_again()
     assert not starting.done()
     checks_before = fake.fake.health_checks
     fake.fake.health["vllm.Inference"] = SERVING
