@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from rankgate.app.cli import build_parser, settings_from_args
-from rankgate.app.routing_flags import TUNABLES
+from rankgate.app.routing_flags import ROUTING_FLAGS
+from rankgate.app.settings import GatewaySettings
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
 
@@ -24,11 +25,11 @@ def _env_name(flag: str) -> str:
 
 
 def test_every_routing_config_field_has_a_flag() -> None:
-    top = {t.field for t in TUNABLES if not t.intake}
-    intake = {t.field for t in TUNABLES if t.intake}
-    assert top == {f.name for f in msgspec.structs.fields(RoutingConfig)} - {"policy", "intake"}
-    assert intake == {f.name for f in msgspec.structs.fields(IntakeSettings)}
-    assert len({t.flag for t in TUNABLES}) == len(TUNABLES)
+    paths = {f.to for f in ROUTING_FLAGS}
+    top = {f"routing.{f.name}" for f in msgspec.structs.fields(RoutingConfig)}
+    intake = {f"routing.intake.{f.name}" for f in msgspec.structs.fields(IntakeSettings)}
+    assert paths == top - {"routing.policy", "routing.intake"} | intake
+    assert len({f.flag for f in ROUTING_FLAGS}) == len(ROUTING_FLAGS)
 
 
 def test_help_documents_each_flag_with_its_default() -> None:
@@ -43,12 +44,10 @@ def test_help_documents_each_flag_with_its_default() -> None:
     flat = " ".join(out.split())
     assert "routing:" in out
     assert "--policy" in out
-    for tunable in TUNABLES:
-        assert tunable.flag in out
-        default = getattr(
-            RoutingConfig().intake if tunable.intake else RoutingConfig(), tunable.field
-        )
-        assert f"(default: {default})" in flat.split(tunable.flag, 2)[-1], tunable.flag
+    for flag in ROUTING_FLAGS:
+        assert flag.flag in out
+        default = flag.default(GatewaySettings())
+        assert f"(default: {default})" in flat.split(flag.flag, 2)[-1], flag.flag
 
 
 def test_flags_and_env_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) -> None:

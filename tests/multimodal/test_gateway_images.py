@@ -399,5 +399,5 @@ def test_cli_image_flags_reach_the_media_config(monkeypatch: pytest.MonkeyPatch)
     media = settings_from_args(args).media
     assert (media.mode, media.max_images, media.max_image_bytes) == ("passthrough", 3, 999)
     assert media.allowed_networks == ("10.0.0.0/8", "127.0.0.0/8")
-    with pytest.raises(SystemExit, match="invalid image options: max_images must be > 0"):
+    with pytest.raises(SystemExit, match="invalid options: --max-images: max_images must be > 0"):
         settings_from_args(build_parser().parse_args(["serve", "--max-images", "0"]))
