@@ -138,6 +138,26 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         "None: the tokenizer's own image placeholder token",
     ),
     _tunable(
+        "--route-regret-settle",
+        "regret_settle",
+        float,
+        "seconds a finished prefill's KV events are awaited before its rank's prediction is "
+        "checked against them",
+    ),
+    _tunable(
+        "--route-regret-keys",
+        "regret_keys",
+        int,
+        "prompt block keys watched at once to check predictions against KV events (0: off)",
+    ),
+    _tunable(
+        "--route-trust-strikes",
+        "trust_strikes",
+        int,
+        "untrue predictions in a row before a rank is routed by load alone, and true ones "
+        "before it is trusted again",
+    ),
+    _tunable(
         "--kv-replay-timeout",
         "replay_timeout",
         float,

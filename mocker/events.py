@@ -149,6 +149,12 @@ class KvEventPublisher:
         self._replay_task: asyncio.Task[None] | None = None
         self.published = 0
         self.dropped = 0
+        # Faults of the publisher alone (the engine serves on): it goes silent; the batches it
+        # drops are lost to replay too; what it says of its blocks is wrong.
+        self.silent = False
+        self.forget_dropped = False
+        self.block_size_override: int | None = None
+        self.token_offset = 0
 
     @property
     def next_sequence(self) -> int:
@@ -215,13 +221,16 @@ class KvEventPublisher:
         self._drop += batches
 
     def publish(self, events: list[KvEvent]) -> None:
-        if not events or self._pub is None:
+        if not events or self._pub is None or self.silent:
             return
+        if self.block_size_override is not None or self.token_offset:
+            events = [self._distort(event) for event in events]
         seq = self._seq
         self._seq += 1
         body: list[Any] = events if self._format == "map" else [_as_array(e) for e in events]
         payload = self._encoder.encode(EventBatch(time.time(), body, self.rank))
-        self._buffer.append((seq, payload))
+        if not (self._drop and self.forget_dropped):
+            self._buffer.append((seq, payload))
         if self._drop:
             self._drop -= 1
             self.dropped += 1
@@ -231,6 +240,15 @@ class KvEventPublisher:
             self.published += 1
         except zmq.Again:
             self.dropped += 1
+
+    def _distort(self, event: KvEvent) -> KvEvent:
+        if not isinstance(event, BlockStored):
+            return event
+        return msgspec.structs.replace(
+            event,
+            block_size=self.block_size_override or event.block_size,
+            token_ids=[token + self.token_offset for token in event.token_ids],
+        )
 
     async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
         while True:

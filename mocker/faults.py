@@ -191,6 +191,26 @@ class Faults:
             if engine.publisher is not None and rank in (None, engine.rank):
                 engine.publisher.drop_next(count)
 
+    def distort_kv_events(
+        self,
+        rank: int | None = None,
+        *,
+        silent: bool = False,
+        lose_dropped: bool = False,
+        block_size: int | None = None,
+        token_offset: int = 0,
+    ) -> None:
+        """Make a rank's publisher go silent, lose what it drops past its replay buffer, or
+        describe its blocks wrongly (another block size, shifted token ids); the defaults
+        undo it."""
+        for engine in self._group.engines.values():
+            publisher = engine.publisher
+            if publisher is not None and rank in (None, engine.rank):
+                publisher.silent = silent
+                publisher.forget_dropped = lose_dropped
+                publisher.block_size_override = block_size
+                publisher.token_offset = token_offset
+
     async def close(self) -> None:
         await self._stop_flapping()
         if self._slow_start is not None:

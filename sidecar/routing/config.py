@@ -49,6 +49,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the request does not give ``MediaInput.position``; with neither, prompts with images are
     # matched on none of their blocks.
     image_token_id: int | None = None
+    # Checking predictions against the KV events (:mod:`sidecar.routing.regret`): seconds a
+    # finished prefill's events are awaited, block keys watched at once (0: off), and untrue
+    # predictions in a row before a rank is routed by load alone (true ones to trust it again).
+    regret_settle: float = 1.0
+    regret_keys: int = 262_144
+    trust_strikes: int = 3
     intake: IntakeSettings = IntakeSettings()
 
     def __post_init__(self) -> None:
@@ -84,3 +90,9 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("offload_index_factor must be >= 0")
         if self.image_token_id is not None and self.image_token_id < 0:
             raise ValueError("image_token_id must be >= 0")
+        if self.regret_settle <= 0:
+            raise ValueError("regret_settle must be positive")
+        if self.regret_keys < 0:
+            raise ValueError("regret_keys must be >= 0")
+        if self.trust_strikes < 1:
+            raise ValueError("trust_strikes must be at least 1")

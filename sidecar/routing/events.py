@@ -34,13 +34,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
 
 from rankgate.sidecar.routing.hashing import chain_hashes, chain_seed, event_block_keys
-from rankgate.sidecar.routing.index import EventIndex, medium_tier
+from rankgate.sidecar.routing.index import DEVICE, EventIndex, medium_tier
 from rankgate.sidecar.routing.metrics import RoutingMetrics
 from rankgate.sidecar.types import KvEventSource
 
@@ -89,6 +89,21 @@ class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("burst must be at least 1")
         if self.receive_hwm < 1:
             raise ValueError("receive_hwm must be at least 1 (the socket's queue stays bounded)")
+
+
+class IntakeObserver(Protocol):
+    """What else hears of a rank's events (:class:`~sidecar.routing.regret.RegretMeter`);
+    called from the intake thread."""
+
+    def stored(self, slot: int, keys: Sequence[int]) -> None: ...
+
+    def batch(self, slot: int, clean: bool) -> None: ...
+
+    def purged(self, slot: int, reason: str) -> None: ...
+
+    def rejected(self, slot: int, reason: str) -> None: ...
+
+    def refuses(self, reason: str) -> bool: ...
 
 
 class MalformedBatch(Exception):
@@ -151,6 +166,10 @@ class _Feed:
         self.replay_deadline = 0.0
         self.held: deque[tuple[int, bytes]] = deque()
         self.batches = 0
+        # Whether the batch being applied had an event refused (its rank's view then misses it),
+        # and whether it stored blocks (what shows the view is being built right again).
+        self.unclean = False
+        self.stored = False
         self.last_lag = 0.0
         # Set while a bind-mode subscription waits for its address (retried at ``bind_at``).
         self.unbound = False
@@ -181,8 +200,10 @@ class KvEventIntake:
         block_size: int,
         metrics: RoutingMetrics,
         settings: IntakeSettings | None = None,
+        observer: IntakeObserver | None = None,
     ) -> None:
         self.index = index
+        self.observer = observer
         self.block_size = block_size
         self.settings = settings or IntakeSettings()
         self._metrics = metrics
@@ -491,11 +512,18 @@ class KvEventIntake:
 
     def _purge(self, feed: _Feed, reason: str) -> None:
         self.index.clear(feed.slot)
+        if self.observer is not None:
+            self.observer.purged(feed.slot, reason)
         self._metrics.purges.labels(feed.label, reason).inc()
         log.warning("purged the KV index of rank %s (%s)", feed.label, reason)
 
     def _reject(self, feed: _Feed, reason: str) -> None:
         self._metrics.rejected.labels(feed.label, reason).inc()
+        observer = self.observer
+        if observer is not None:
+            observer.rejected(feed.slot, reason)
+            if observer.refuses(reason):
+                feed.unclean = True
         if reason not in self._warned:
             self._warned.add(reason)
             log.warning("unusable KV-event data from rank %s: %s", feed.label, reason)
@@ -504,6 +532,8 @@ class KvEventIntake:
 
     def _apply(self, feed: _Feed, seq: int, payload: bytes, origin: str) -> None:
         feed.expected = seq + 1
+        feed.unclean = False
+        feed.stored = False
         try:
             ts, events = batch_events(self._decoder.decode(payload))
         except Exception:
@@ -522,6 +552,8 @@ class KvEventIntake:
                 self._reject(feed, "event")
         feed.batches += 1
         feed.batch_counters[origin].inc()
+        if self.observer is not None:
+            self.observer.batch(feed.slot, feed.stored and not feed.unclean)
 
     def _apply_event(self, feed: _Feed, kind: str, fields: dict[str, Any]) -> None:
         group = fields.get("group_idx")
@@ -571,3 +603,6 @@ class KvEventIntake:
         slot = feed.slot
         for block, our_key in zip(blocks, keys, strict=False):
             store(slot, tier, _block_id(block), our_key)
+        feed.stored = True
+        if tier == DEVICE and self.observer is not None:
+            self.observer.stored(slot, keys)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rankgate.sidecar.routing.events import IntakeSettings, KvEventIntake
+from rankgate.sidecar.routing.events import IntakeObserver, IntakeSettings, KvEventIntake
 from rankgate.sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, PrefixMatch
 from rankgate.sidecar.routing.metrics import RoutingMetrics
 from rankgate.sidecar.routing.shared_index import (
@@ -54,6 +54,7 @@ class KvView:
         device: list[int],
         offloaded: list[int],
         board: SharedLoadBoard | None,
+        observer: IntakeObserver | None = None,
     ) -> bool:
         """Rebuild the view for a freshly discovered engine; whether it has KV events at all.
 
@@ -83,7 +84,7 @@ class KvView:
             self._board = board
         self.events = EventIndex(device, offloaded, self.shared_table)
         self.intake = KvEventIntake(
-            sources, slots, self.events, block_size, self._metrics, self._settings
+            sources, slots, self.events, block_size, self._metrics, self._settings, observer
         )
         if self._started:
             self.intake.start()

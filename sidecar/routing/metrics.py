@@ -168,12 +168,58 @@ class RouteTally(Collector):
         self.ratio.merge(state["ratio"])
 
 
+class RegretMetrics:
+    """Predicted against realised cache hits, and per-rank trust in the KV view."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.predicted = Counter(
+            "rankgate_routing_predicted_hit_tokens",
+            "Prompt tokens of measured requests the router believed their rank held.",
+            ["policy", "rank"],
+            registry=registry,
+        )
+        self.realised = Counter(
+            "rankgate_routing_realised_hit_tokens",
+            "Prompt tokens of measured requests their rank did not compute, by its KV events.",
+            ["policy", "rank"],
+            registry=registry,
+        )
+        self.error = Counter(
+            "rankgate_routing_hit_error_tokens",
+            "Predicted minus realised hit tokens: believed held but computed (missed), or "
+            "held though not believed (unforeseen).",
+            ["policy", "rank", "direction"],
+            registry=registry,
+        )
+        self.scored = Counter(
+            "rankgate_routing_measured_requests",
+            "Requests whose prediction was checked against their rank's KV events.",
+            ["policy", "rank"],
+            registry=registry,
+        )
+        self.trusted = Gauge(
+            "rankgate_routing_kv_view_trusted",
+            "1 while a rank is routed on its KV view; 0 while it is routed by load alone "
+            "because its view is not trustworthy.",
+            ["rank"],
+            registry=registry,
+        )
+        self.distrusted = Counter(
+            "rankgate_routing_kv_view_distrusted",
+            "Times a rank's KV view stopped being trusted, by reason (silent, mismatch, "
+            "mispredicting, gap, block_size, schema).",
+            ["rank", "reason"],
+            registry=registry,
+        )
+
+
 class RoutingMetrics:
     """All routing collectors; build with :func:`routing_metrics` to share one per registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.tally = RouteTally()
         registry.register(self.tally)
+        self.regret = RegretMetrics(registry)
         self.spills = Counter(
             "rankgate_routing_spills",
             "Requests sent away from their best-cached rank by the hot-prefix or capacity guard.",

@@ -228,8 +228,10 @@ async def test_bad_input_is_counted_and_skipped(event_rig: RigFactory) -> None:
     rank0.send_raw([b"kv", (0).to_bytes(8, "big"), b"\xc1 not msgpack"])
     rank0.send_raw([b"kv", b"short", b""])
     rank0.seq = 1
-    rank0.publish([{"type": "Mystery"}, stored([181, 182], blocks(P, 0, 2), block_size=BLOCK)])
     rank0.publish([stored([183], [1, 2], block_size=BLOCK * 2)])
+    # An unknown event type is skipped; the batch is otherwise whole, so the rank's view is
+    # trusted again after the block size it could not use.
+    rank0.publish([{"type": "Mystery"}, stored([181, 182], blocks(P, 0, 2), block_size=BLOCK)])
     await rig.settle(0, 2)
 
     assert rig.route(P + TAIL) == (0, 8)

@@ -99,6 +99,9 @@ class MockFaults:
     def drop_kv_batches(self, count: int, rank: int | None = None) -> None:
         self._handle.call(lambda: self._faults.drop_kv_batches(count, rank))
 
+    def distort_kv_events(self, rank: int | None = None, **distortion: Any) -> None:
+        self._handle.call(lambda: self._faults.distort_kv_events(rank, **distortion))
+
     def garble_replies(self, count: int = -1) -> None:
         self._handle.call(lambda: self._faults.garble_replies(count))
 

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.routing.base import RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
+from rankgate.sidecar.routing.events import IntakeObserver
 from rankgate.sidecar.routing.hashing import prompt_keys
 from rankgate.sidecar.routing.index import DEVICE, EventIndex
 from rankgate.sidecar.routing.metrics import routing_metrics
@@ -126,10 +127,18 @@ class _Request:
 
 
 class _Rank:
-    def __init__(self, slot: int, model: EngineModel, index: EventIndex | None) -> None:
+    def __init__(
+        self,
+        slot: int,
+        model: EngineModel,
+        index: EventIndex | None,
+        observer: IntakeObserver | None = None,
+    ) -> None:
         self.slot = slot
         self.model = model
         self.index = index
+        # Hears the stores as the intake's observer does (the router's prediction check).
+        self.observer = observer
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.refs: dict[int, int] = {}
@@ -199,6 +208,9 @@ class _Rank:
                 request.private -= 1
                 if self.index is not None:
                     self.index.store(self.slot, DEVICE, key, key)
+                if self.observer is not None:
+                    self.observer.batch(self.slot, True)
+                    self.observer.stored(self.slot, (key,))
             request.held.append(key)
 
     def _release(self, request: _Request) -> None:
@@ -315,8 +327,10 @@ class Simulation:
         self.now = 0.0
         self.router = factory(config, lambda: self.now)
         self.router.configure(model.info())
-        index = self.router.view.events if isinstance(self.router, KvRouter) else None
-        self.ranks = [_Rank(slot, model, index) for slot in range(model.dp)]
+        index = observer = None
+        if isinstance(self.router, KvRouter):
+            index, observer = self.router.view.events, self.router.regret
+        self.ranks = [_Rank(slot, model, index, observer) for slot in range(model.dp)]
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self.outcome = Outcome()

@@ -48,6 +48,7 @@ from rankgate.sidecar.routing.kv_view import KvView
 from rankgate.sidecar.routing.load import RecentWork
 from rankgate.sidecar.routing.metrics import RoutingMetrics
 from rankgate.sidecar.routing.policies.ranked import RankedRouter, Topology, estimated
+from rankgate.sidecar.routing.regret import RegretMeter, WatchedTicket
 from rankgate.sidecar.types import EngineInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class KvRouter(RankedRouter):
         self.recent: RecentWork | None = None
         self.shares: RecentWork | None = None
         self.affinity: AffinityTable | None = None
+        self.regret: RegretMeter | None = None
         self._affinity_followed = metrics.affinity.labels("followed")
         self._affinity_yielded = metrics.affinity.labels("yielded")
         self._last: tuple[PreparedRequest, PromptKeys] | None = None
@@ -98,9 +100,32 @@ class KvRouter(RankedRouter):
         )
         capacity = [max(1, blocks) for blocks in topology.device_blocks]
         offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
-        if self.view.configure(
-            topology.sources, self.slots, topology.block_size, capacity, offload, self.shared_load
-        ):
+        meter = (
+            RegretMeter(
+                topology.ranks,
+                topology.block_size,
+                self.metrics,
+                self.name,
+                settle=self.config.regret_settle,
+                max_keys=self.config.regret_keys,
+                strikes=self.config.trust_strikes,
+                clock=self.clock,
+            )
+            if self.config.regret_keys and topology.sources
+            else None
+        )
+        events = self.view.configure(
+            topology.sources,
+            self.slots,
+            topology.block_size,
+            capacity,
+            offload,
+            self.shared_load,
+            meter,
+        )
+        # Only the worker running the intake hears the events the predictions are checked on.
+        self.regret = meter if self.view.intake is not None else None
+        if events:
             ttl = self.config.pending_ttl
         else:
             log.info("KV events are off: routing on load and on predictions from past routes")
@@ -156,6 +181,16 @@ class KvRouter(RankedRouter):
         prompt_tokens = keys.prompt_tokens
         cached = self._cached_tokens(hashes, block, prompt_tokens)
         remembered = self._affinity(request, cached, block, prompt_tokens)
+        # What the view believes each rank holds; a rank whose view is not trusted is routed
+        # as if it held nothing, while its belief is still checked against its events.
+        believed = cached
+        regret = self.regret
+        if regret is not None:
+            regret.settle()
+            if regret.untrusted:
+                cached = cached.copy()
+                for untrusted in regret.untrusted:
+                    cached[untrusted] = 0
         slot = self._pinned_slot(request)
         reason = "pinned"
         if slot is None:
@@ -173,7 +208,16 @@ class KvRouter(RankedRouter):
             self.recent.add(slot, prompt_tokens - cached[slot])
         if self.shares is not None:
             self.shares.add(slot, 1.0)
-        return self._admit(slot, prompt_tokens, cached[slot], reason, estimated=estimated(request))
+        ticket = self._admit(
+            slot, prompt_tokens, cached[slot], reason, estimated=estimated(request)
+        )
+        if regret is not None:
+            watch = regret.watch(
+                slot, hashes, believed[slot] // block, (prompt_tokens - 1) // block
+            )
+            if watch is not None:
+                return WatchedTicket(ticket, regret, watch)
+        return ticket
 
     def _affinity(
         self, request: PreparedRequest, cached: list[int], block: int, prompt_tokens: int
