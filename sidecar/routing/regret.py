@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import repeat
 
 from rankgate.sidecar.routing.base import RouteDecision, RouteTicket
 from rankgate.sidecar.routing.metrics import RoutingMetrics
@@ -43,15 +45,23 @@ _DISTRUSTING_PURGES = {"gap": "gap", "replay": "gap", "intake_restart": "gap"}
 _DISTRUSTING_REJECTS = {"block_size": "block_size", "batch": "schema", "event": "schema"}
 
 
+_NONE: frozenset[int] = frozenset()
+# Settle times a rank's silence after a prefill is waited out before it counts.
+_PATIENCE = 10
+
+
 class Watch:
     """One routed prompt's blocks on its rank, from routing until its events are in."""
 
     __slots__ = (
         "batches_at",
         "deadline",
+        "heard_at",
         "keys",
         "limit",
         "matched_at",
+        "owned",
+        "patience",
         "predicted",
         "serial",
         "slot",
@@ -77,12 +87,18 @@ class Watch:
         # computes a prompt's last token, so a whole-block prompt recomputes its last block).
         self.predicted = predicted
         self.limit = limit
-        # Blocks of this prompt the rank's events announced since it was routed.
+        # Blocks of this prompt the rank's events announced since it was routed, and the blocks
+        # it watches itself (the rest an older request in flight watches).
         self.stored = 0
+        self.owned: Sequence[int] | AbstractSet[int] = _NONE
         # The rank's KV-event batches, and its stores of watched blocks, when it was routed.
         self.batches_at = batches_at
         self.matched_at = matched_at
         self.deadline: float | None = None
+        # The rank's batches when its prefill was done, and until when its silence is waited
+        # out (the gateway's own intake may be behind, not the rank).
+        self.heard_at = 0
+        self.patience = 0.0
 
 
 class _Trust:
@@ -119,8 +135,10 @@ class RegretMeter:
         self._strikes = strikes
         self._clock = clock
         slots = len(ranks)
-        # Per slot: block key -> the watches holding it, oldest first (the one computing it).
-        self._watching: list[dict[int, list[Watch]]] = [{} for _ in range(slots)]
+        # Per slot: block key -> the oldest watch holding it, the one that computes it. A later
+        # watch of the same block (a shared prefix in flight) leaves it to that one and counts
+        # it as a hit, which it is once the older request's prefill has stored it.
+        self._watching: list[dict[int, Watch]] = [{} for _ in range(slots)]
         self._keys = 0
         self._serial = 0
         # Watches whose prefill is done, by deadline (the settle time is one constant).
@@ -153,9 +171,9 @@ class RegretMeter:
         get = self._watching[slot].get
         matched = 0
         for key in keys:
-            watches = get(key)
-            if watches:
-                watches[0].stored += 1
+            owner = get(key)
+            if owner is not None:
+                owner.stored += 1
                 matched += 1
         if matched:
             self._matched[slot] += matched
@@ -196,19 +214,21 @@ class RegretMeter:
             slot, keys, predicted, limit, self._batches[slot], self._matched[slot], self._serial
         )
         table = self._watching[slot]
-        for key in keys:
-            watches = table.get(key)
-            if watches is None:
-                table[key] = [watch]
-            else:
-                watches.append(watch)
-        self._keys += len(keys)
+        owned: Sequence[int] | AbstractSet[int] = keys
+        if not table.keys().isdisjoint(keys):
+            owned = set(keys) - table.keys()
+        table.update(zip(owned, repeat(watch)))
+        watch.owned = owned
+        self._keys += len(owned)
         return watch
 
     def prefilled(self, watch: Watch) -> None:
         """Its prefill is done: score it once its events have had time to arrive."""
         if watch.deadline is None:
-            watch.deadline = self._clock() + self._settle
+            now = self._clock()
+            watch.deadline = now + self._settle
+            watch.heard_at = self._batches[watch.slot]
+            watch.patience = now + _PATIENCE * self._settle
             self._due.append(watch)
 
     def dropped(self, watch: Watch) -> None:
@@ -238,20 +258,29 @@ class RegretMeter:
         now = self._clock()
         while due and (due[0].deadline or 0.0) <= now:
             watch = due.popleft()
+            if self._unheard(watch) and now < watch.patience:
+                watch.deadline = now + self._settle
+                due.append(watch)
+                continue
             self._forget(watch)
             self._score(watch)
 
+    def _unheard(self, watch: Watch) -> bool:
+        """Nothing came from its rank since its prefill, though it computed blocks."""
+        return (
+            watch.stored == 0
+            and len(watch.keys) > watch.predicted
+            and self._batches[watch.slot] == watch.heard_at
+        )
+
     def _forget(self, watch: Watch) -> None:
-        table = self._watching[watch.slot]
-        for key in watch.keys:
-            watches = table.get(key)
-            if watches is None:
-                continue
-            if len(watches) == 1:
-                del table[key]
-            else:
-                watches.remove(watch)
-        self._keys -= len(watch.keys)
+        owned = watch.owned
+        if not owned:
+            return
+        # No other watch can hold these keys while this one does.
+        deque(map(self._watching[watch.slot].__delitem__, owned), maxlen=0)
+        self._keys -= len(owned)
+        watch.owned = _NONE
 
     def _score(self, watch: Watch) -> None:
         slot = watch.slot

@@ -48,13 +48,17 @@ class Clocked:
         """Route, prefill (the rank announcing ``stored``), and let it be scored."""
         watch = self.meter.watch(slot, keys, predicted, len(keys))
         assert watch is not None
+        self.meter.prefilled(watch)
         if stored or heard:
             self.meter.batch(slot, True)
         if stored:
             self.meter.stored(slot, stored)
-        self.meter.prefilled(watch)
         self.now += SETTLE
         self.meter.settle()
+        if not heard:
+            # Silence is waited out before it counts.
+            self.now += 10 * SETTLE
+            self.meter.settle()
 
     def value(self, name: str, **labels: str) -> float:
         return sample(self.registry, name, **labels)
@@ -218,4 +222,21 @@ def test_what_leaves_the_view_sound_distrusts_nothing(hand: Hand) -> None:
     m = Clocked()
     hand(m.meter)
     m.meter.settle()
+    assert m.trusted() == 1
+
+
+def test_events_late_because_the_intake_is_behind_are_waited_for() -> None:
+    m = Clocked()
+    for n in range(STRIKES):
+        watch = m.meter.watch(0, [10 * n + 1, 10 * n + 2], 0, 2)
+        assert watch is not None
+        m.meter.prefilled(watch)
+        m.now += 5 * SETTLE  # nothing from the rank yet: not a verdict
+        m.meter.settle()
+        assert m.value("rankgate_routing_measured_requests_total", policy="kv", rank="0") == n
+        m.meter.batch(0, True)
+        m.meter.stored(0, [10 * n + 1, 10 * n + 2])
+        m.now += SETTLE
+        m.meter.settle()
+    assert m.value("rankgate_routing_measured_requests_total", policy="kv", rank="0") == STRIKES
     assert m.trusted() == 1
