@@ -1,5 +1,5 @@
 """The ``kv`` router against real vLLM (DP=2): requests sharing a long prefix land on the rank
-whose KV events announced it.
+whose KV events announced it, and the router's predictions come true by vLLM's own events.
 
 The prefix is first computed on rank 1 by pinning (vLLM's own balancer would have used rank 0),
 and the router runs without bridging predictions, so only rank 1's real KV events, decoded and
@@ -88,5 +88,23 @@ async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderT
         cached = registry.get_sample_value("rankgate_routing_cached_tokens_total", {"rank": "1"})
         assert cached is not None
         assert cached >= 2 * len(tails[1:]) * PREFIX_BLOCKS * block
+
+        # Every prediction came true by rank 1's own events: the warm-up computed the prefix,
+        # the followers hit it whole.
+        def rank1(name: str) -> float:
+            value = registry.get_sample_value(name, {"policy": "kv", "rank": "1"})
+            return value or 0.0
+
+        regret = router.regret
+        assert regret is not None
+        deadline = time.monotonic() + 60.0
+        while rank1("rankgate_routing_measured_requests_total") < len(tails):
+            assert time.monotonic() < deadline, "the followers' predictions were never checked"
+            regret.settle()
+            await asyncio.sleep(0.05)
+        predicted = rank1("rankgate_routing_predicted_hit_tokens_total")
+        assert predicted == len(tails[1:]) * PREFIX_BLOCKS * block
+        assert rank1("rankgate_routing_realised_hit_tokens_total") == predicted
+        assert regret.trusted(1)
     finally:
         await sidecar.close()
