@@ -25,7 +25,12 @@ def _optional_int(text: str) -> int | None:
 
 
 def _tunable(
-    flag: str, field: str, convert: Callable[[str], Any], help: str, intake: bool = False
+    flag: str,
+    field: str,
+    convert: Callable[[str], Any],
+    help: str,
+    intake: bool = False,
+    metavar: str = "ID",
 ) -> Flag:
     """A flag for a ``RoutingConfig`` field (``intake``: of its ``intake`` settings)."""
     return Flag(
@@ -33,7 +38,7 @@ def _tunable(
         f"routing.intake.{field}" if intake else f"routing.{field}",
         f"{help} (default: %(default)s)",
         convert,
-        metavar=convert.__name__.upper() if convert in (int, float) else "ID",
+        metavar=convert.__name__.upper() if convert in (int, float) else metavar,
         group=GROUP,
     )
 
@@ -156,6 +161,21 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         int,
         "untrue predictions in a row before a rank is routed by load alone, and true ones "
         "before it is trusted again",
+    ),
+    _tunable(
+        "--route-index-file",
+        "index_file",
+        str,
+        "a file the KV index is saved to when the gateway stops and loaded from when it starts "
+        "beside the same engine, so a restarted gateway routes on the caches at once (none: "
+        "not saved)",
+        metavar="PATH",
+    ),
+    _tunable(
+        "--route-index-max-age",
+        "index_max_age",
+        float,
+        "seconds a saved KV index stays usable",
     ),
     _tunable(
         "--kv-replay-timeout",

@@ -55,6 +55,10 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     regret_settle: float = 1.0
     regret_keys: int = 262_144
     trust_strikes: int = 3
+    # A file the KV index is saved to when the gateway stops and loaded from when it starts
+    # beside the same engine, if younger than ``index_max_age`` seconds (None: not saved).
+    index_file: str | None = None
+    index_max_age: float = 600.0
     intake: IntakeSettings = IntakeSettings()
 
     def __post_init__(self) -> None:
@@ -96,3 +100,5 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("regret_keys must be >= 0")
         if self.trust_strikes < 1:
             raise ValueError("trust_strikes must be at least 1")
+        if self.index_max_age <= 0:
+            raise ValueError("index_max_age must be positive")

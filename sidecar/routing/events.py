@@ -166,6 +166,8 @@ class _Feed:
         self.replay_deadline = 0.0
         self.held: deque[tuple[int, bytes]] = deque()
         self.batches = 0
+        # Whether ``expected`` comes from a saved index, whose missed batches are replayed first.
+        self.resumed = False
         # Whether the batch being applied had an event refused (its rank's view then misses it),
         # and whether it stored blocks (what shows the view is being built right again).
         self.unclean = False
@@ -250,6 +252,19 @@ class KvEventIntake:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def positions(self) -> dict[int, int]:
+        """The next sequence number each slot's publisher is expected to send (read once the
+        thread has ended): where a restarted gateway resumes, replaying what it missed."""
+        return {feed.slot: feed.expected for feed in self._feeds if feed.expected is not None}
+
+    def resume(self, positions: dict[int, int]) -> None:
+        """Before :meth:`start`: the index holds each slot's events up to ``positions``, so
+        a later first batch is a gap that replay fills, and an earlier one a restart."""
+        for feed in self._feeds:
+            if feed.slot in positions:
+                feed.expected = positions[feed.slot]
+                feed.resumed = True
+
     def lag(self, slot: int) -> float:
         for feed in self._feeds:
             if feed.slot == slot:
@@ -312,6 +327,12 @@ class KvEventIntake:
             feed.sub = sub
             self._open(feed)
             self._watch(sub, feed)
+        for feed in self._feeds:
+            if feed.resumed and feed.expected is not None and feed.source.replay_endpoint:
+                # What the engine published since the index was saved, asked for at once
+                # rather than at the next live batch (an idle engine may send none for long).
+                self._begin_replay(feed, feed.expected)
+            feed.resumed = False
         assert self._wake is not None
         self._poller.register(self._wake[0], zmq.POLLIN)
         self._ready.set()

@@ -205,6 +205,10 @@ class EventIndex:
     def size(self, slot: int, tier: int = DEVICE) -> int:
         return len(self._tiers[slot][tier].blocks)
 
+    def entries(self, slot: int, tier: int) -> list[tuple[Hashable, int]]:
+        """One rank's blocks on one tier, oldest first: vLLM's hash and our key."""
+        return list(self._tiers[slot][tier].blocks.items())
+
     def _drop(self, slot: int, tier: int, rank_tier: _RankTier, block_hash: Hashable) -> None:
         key = rank_tier.blocks.pop(block_hash)
         mirror = self.mirror

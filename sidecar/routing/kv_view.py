@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from rankgate.sidecar.routing import index_file
 from rankgate.sidecar.routing.events import IntakeObserver, IntakeSettings, KvEventIntake
 from rankgate.sidecar.routing.index import DEVICE, OFFLOADED, EventIndex, PrefixMatch
 from rankgate.sidecar.routing.metrics import RoutingMetrics
@@ -31,9 +32,20 @@ log = logging.getLogger(__name__)
 class KvView:
     """Which blocks each rank holds, from its KV events: read here, or from another worker."""
 
-    def __init__(self, metrics: RoutingMetrics, settings: IntakeSettings) -> None:
+    def __init__(
+        self,
+        metrics: RoutingMetrics,
+        settings: IntakeSettings,
+        index_file: str | None = None,
+        index_max_age: float = 600.0,
+    ) -> None:
         self._metrics = metrics
         self._settings = settings
+        # Where the index is saved on close and loaded on start (index_file), and for which
+        # engine: a file saved beside another one is not loaded.
+        self._index_file = index_file
+        self._index_max_age = index_max_age
+        self._identity = ""
         self.events: EventIndex | None = None
         self.intake: KvEventIntake | None = None
         # The first worker's table, which its index writes through to; the others' view of it.
@@ -55,11 +67,13 @@ class KvView:
         offloaded: list[int],
         board: SharedLoadBoard | None,
         observer: IntakeObserver | None = None,
+        identity: str = "",
     ) -> bool:
         """Rebuild the view for a freshly discovered engine; whether it has KV events at all.
 
         ``device`` and ``offloaded`` bound the index entries per slot, per tier.
         """
+        self._identity = identity
         self._stopping = [intake for intake in self._stopping if intake.running]
         if self.intake is not None:
             self.intake.stop()
@@ -93,6 +107,17 @@ class KvView:
     async def start(self) -> None:
         self._started = True
         if self.intake is not None:
+            if self._index_file is not None and self.events is not None:
+                positions = await asyncio.to_thread(
+                    index_file.load,
+                    self._index_file,
+                    self._identity,
+                    self.events,
+                    self._index_max_age,
+                    index_file.wall_clock(),
+                )
+                if positions:
+                    self.intake.resume(positions)
             self.intake.start()
             await asyncio.to_thread(self.intake.wait_subscribed, 5.0)
 
@@ -107,6 +132,24 @@ class KvView:
             intake.stop()
         for intake in stopping:
             await asyncio.to_thread(intake.join, 5.0)
+        current = stopping[-1] if stopping else None
+        if (
+            self._index_file is not None
+            and self.events is not None
+            and current is not None
+            and not current.running
+        ):
+            try:
+                await asyncio.to_thread(
+                    index_file.save,
+                    self._index_file,
+                    self._identity,
+                    self.events,
+                    current.positions(),
+                    index_file.wall_clock(),
+                )
+            except OSError as error:
+                log.warning("cannot save the KV index to %s: %s", self._index_file, error)
         self._close_shared()
 
     def sizes(self, slot: int) -> tuple[int, int]:

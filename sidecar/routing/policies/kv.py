@@ -70,7 +70,7 @@ class KvRouter(RankedRouter):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(config, metrics, clock)
-        self.view = KvView(metrics, config.intake)
+        self.view = KvView(metrics, config.intake, config.index_file, config.index_max_age)
         self.predicted: PredictedIndex | None = None
         self.recent: RecentWork | None = None
         self.shares: RecentWork | None = None
@@ -122,6 +122,7 @@ class KvRouter(RankedRouter):
             offload,
             self.shared_load,
             meter,
+            identity=f"{info.model_id}|{info.instance_id}|{topology.block_size}|{topology.ranks}",
         )
         # Only the worker running the intake hears the events the predictions are checked on.
         self.regret = meter if self.view.intake is not None else None
