@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-events-host", default=d.kv_events_host, help="'*' binds; a host name connects")
     a("--kv-events-topic", default=d.kv_events_topic, help="KV-event topic")
     a("--kv-event-format", choices=["map", "array"], default=d.kv_event_format)
+    a(
+        "--grpc-services",
+        choices=["combined", "split"],
+        default=d.grpc_services,
+        help="vLLM 0.32's services, or vLLM main's split layout with vllm.KvTransfer",
+    )
     a("--speed", type=float, default=d.speed, help="0 = zero latency; 1 = GPU-like timing")
     a(
         "--paced-step-seconds",
@@ -128,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         kv_events_host=args.kv_events_host,
         kv_events_topic=args.kv_events_topic,
         kv_event_format=args.kv_event_format,
+        grpc_services=args.grpc_services,
         speed=args.speed,
         paced_step_seconds=args.paced_step_seconds,
         seed=args.seed,

@@ -16,6 +16,7 @@ from rankgate.mocker.transfer import ROLES, Role
 # otherwise, so the gateway finds a tokenizer for the mock's model without extra flags.
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
 EventFormat = Literal["map", "array"]
+GrpcServices = Literal["combined", "split"]
 GrpcServer = Literal["inloop", "grpcio"]
 GRPC_SERVERS: tuple[GrpcServer, ...] = ("inloop", "grpcio")
 
@@ -62,6 +63,10 @@ class MockEngineConfig:
     kv_events_hwm: int = 100_000
     # "map": events as maps tagged by "type" (vLLM 0.32); "array": tagged arrays (older builds).
     kv_event_format: EventFormat = "map"
+    # "combined": vLLM 0.32's services (KV-event discovery on vllm.Control); "split": vLLM
+    # main's, with it on vllm.KvTransfer, Control answering UNIMPLEMENTED for it, and health
+    # reported per service name for each.
+    grpc_services: GrpcServices = "combined"
     # Timing: 0.0 answers as fast as the CPU allows; 1.0 follows the GPU-like model below;
     # larger values run proportionally faster.
     speed: float = 1.0

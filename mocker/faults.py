@@ -19,6 +19,8 @@ from rankgate.mocker.request import MockRequest
 from rankgate.mocker.status import resource_exhausted
 
 SERVICES = ("", "vllm.Inference", "vllm.Control")
+# vLLM main's split layout reports one more service.
+SPLIT_SERVICES = (*SERVICES, "vllm.KvTransfer")
 # A protobuf field tag with wire type 7, which no message may contain.
 GARBLED = b"\xff" * 7
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -32,7 +34,10 @@ class Rejection:
 
 
 class Faults:
-    def __init__(self, group: DpGroup, health: HealthServicer) -> None:
+    def __init__(
+        self, group: DpGroup, health: HealthServicer, services: tuple[str, ...] = SERVICES
+    ) -> None:
+        self.services = services
         self._group = group
         self._health = health
         self._rejection: Rejection | None = None
@@ -50,7 +55,7 @@ class Faults:
     async def set_serving(self, serving: bool) -> None:
         self.serving = serving
         status = SERVING if serving else NOT_SERVING
-        for service in SERVICES:
+        for service in self.services:
             await self._health.set(service, status)
 
     # ---- slow start and flapping ------------------------------------------------------------

@@ -22,7 +22,7 @@ from grpc_health.v1._async import HealthServicer
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.mocker.engine import EngineRequest, RankEngine
 from rankgate.mocker.events import KvEventPublisher
-from rankgate.mocker.faults import Faults
+from rankgate.mocker.faults import SERVICES, SPLIT_SERVICES, Faults
 from rankgate.mocker.group import DpGroup
 from rankgate.mocker.h2server import H2Server
 from rankgate.mocker.media import ImagePolicy, MediaResolver
@@ -36,6 +36,7 @@ from rankgate.sidecar.proto.vllm import (
     control_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
+    kv_transfer_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ class MockServer:
             engine.start()
             engines.append(engine)
         self.group = DpGroup(engines)
-        self.faults = Faults(self.group, self.health)
+        split = config.grpc_services == "split"
+        self.faults = Faults(self.group, self.health, SPLIT_SERVICES if split else SERVICES)
         await self.faults.slow_start(config.startup_delay_s)
 
         server: grpc.aio.Server | H2Server
@@ -128,6 +130,10 @@ class MockServer:
         control_pb2_grpc.add_ControlServicer_to_server(  # type: ignore[no-untyped-call]
             ControlService(self), server
         )
+        if split:
+            kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(  # type: ignore[no-untyped-call]
+                KvTransferService(self), server
+            )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if isinstance(server, H2Server):
             self.port = await server.start(config.host, config.port)
@@ -377,25 +383,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
     async def GetKvEventSources(
         self, request: control_pb2.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.GetKvEventSourcesResponse:
-        c = self._server.config
-        response = control_pb2.GetKvEventSourcesResponse()
-        for rank in c.ranks:
-            endpoint = c.kv_endpoint(rank)
-            if endpoint is None:
-                continue
-            response.sources.add(
-                transport="zmq",
-                endpoint=endpoint,
-                topic=c.kv_events_topic,
-                replay_endpoint=c.kv_replay_endpoint(rank) or "",
-                data_parallel_rank=rank,
-                encoding="msgpack",
-                schema_version=1,
-                buffer_steps=c.kv_replay_buffer_steps,
-                hwm=c.kv_events_hwm,
-                max_queue_size=100_000,
+        if self._server.config.grpc_services == "split":
+            # Moved to vllm.KvTransfer, as `--grpc-services configured` answers on vLLM main.
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "GetKvEventSources is not implemented"
             )
-        return response
+        return kv_event_sources(self._server.config)
 
     async def Abort(
         self, request: control_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -416,6 +409,40 @@ class ControlService(control_pb2_grpc.ControlServicer):
         for index, name in enumerate(sorted(self._server.config.loras), start=1):
             response.adapters.add(lora_id=index, lora_name=name, source_path=f"/mock/{name}")
         return response
+
+
+def kv_event_sources(c: MockEngineConfig) -> control_pb2.GetKvEventSourcesResponse:
+    """Each rank's KV-event publisher, as vLLM describes it."""
+    response = control_pb2.GetKvEventSourcesResponse()
+    for rank in c.ranks:
+        endpoint = c.kv_endpoint(rank)
+        if endpoint is None:
+            continue
+        response.sources.add(
+            transport="zmq",
+            endpoint=endpoint,
+            topic=c.kv_events_topic,
+            replay_endpoint=c.kv_replay_endpoint(rank) or "",
+            data_parallel_rank=rank,
+            encoding="msgpack",
+            schema_version=1,
+            buffer_steps=c.kv_replay_buffer_steps,
+            hwm=c.kv_events_hwm,
+            max_queue_size=100_000,
+        )
+    return response
+
+
+class KvTransferService:
+    """``vllm.KvTransfer`` of vLLM main's split layout: KV-event discovery moved off Control."""
+
+    def __init__(self, server: MockServer) -> None:
+        self._server = server
+
+    async def GetKvEventSources(
+        self, request: control_pb2.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.GetKvEventSourcesResponse:
+        return kv_event_sources(self._server.config)
 
 
 def _unimplemented(name: str) -> Any:
