@@ -62,7 +62,7 @@ async def _ingest(args: argparse.Namespace) -> None:
     shared = _documents(rng, docs_per_rank // 2)
     publishers = [TestPublisher(rank, replay=False) for rank in range(args.ranks)]
     registry = CollectorRegistry()
-    router = build_router(RoutingConfig(pending_ttl=0), registry)
+    router = build_router(RoutingConfig(pending_ttl=0, regret_keys=args.regret_keys), registry)
     assert isinstance(router, KvRouter)
     sources = [KvEventSource(p.rank, p.endpoint, None, p.topic) for p in publishers]
     router.configure(
@@ -212,6 +212,12 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--tail", type=int, default=200)
+    parser.add_argument(
+        "--regret-keys",
+        type=int,
+        default=RoutingConfig().regret_keys,
+        help="--route-regret-keys: 0 routes without checking predictions",
+    )
     args = parser.parse_args()
     asyncio.run(_ingest(args))
     print("block-hash mix:")
