@@ -53,7 +53,7 @@ async def test_the_intake_binds_a_connecting_publishers_address_once_it_is_free(
     pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
     try:
-        await asyncio.sleep(0.3)
+        # start() returns once the intake has opened its sockets: its first bind has failed.
         blocker.close()
         pub.connect(endpoint)
         # The subscription arrives once the intake has bound the address and we reached it.

@@ -250,7 +250,7 @@ async def test_close_preempts_in_flight_streams(
     stream = sidecar.generate(request(stopping=StoppingParams(max_tokens=1000)))
     await anext(stream)
     reading = asyncio.ensure_future(collect(stream))
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0)  # the reader is waiting on the stream
     await sidecar.close()
     with pytest.raises(EngineUnavailable, match="shutting down"):
         await reading
