@@ -30,11 +30,9 @@ import httpx
 
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
-from rankgate.mocker.config import MockEngineConfig
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
-from tests.support.mock_engine import MockEngineHandle, running_mock_engine
-from tests.support.ports import free_port, free_port_range
+from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
 
 MODEL = "restart-bench"
 BLOCK = 16
@@ -76,19 +74,8 @@ def wait_indexed(http: httpx.Client, blocks: float) -> None:
 
 
 def one_restart(args: argparse.Namespace, saved: bool, round_no: int) -> tuple[float, float]:
-    config = MockEngineConfig(
-        host="127.0.0.1",
-        port=free_port(),
-        dp_size=args.dp,
-        block_size=BLOCK,
-        model=MODEL,
-        tokenizer=str(TINY_TOKENIZER),
-        model_id=str(TINY_TOKENIZER),
-        kv_events_port=free_port_range(args.dp),
-        kv_replay_port=free_port_range(args.dp),
-        kv_replay_buffer_steps=args.replay_batches,
-        speed=0.0,
-        eos_probability=0.0,
+    config = kv_mock_config(
+        MODEL, dp_size=args.dp, block_size=BLOCK, kv_replay_buffer_steps=args.replay_batches
     )
     with tempfile.TemporaryDirectory() as scratch, running_mock_engine(config) as engine:
         index = str(Path(scratch) / "kv-index") if saved else None

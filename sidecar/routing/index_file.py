@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -119,7 +118,3 @@ def _hashable(value: Any) -> Hashable:
         return tuple(_hashable(item) for item in value)
     hashable: Hashable = value
     return hashable
-
-
-def wall_clock() -> float:
-    return time.time()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from rankgate.sidecar.routing import index_file
 from rankgate.sidecar.routing.events import IntakeObserver, IntakeSettings, KvEventIntake
@@ -114,7 +115,7 @@ class KvView:
                     self._identity,
                     self.events,
                     self._index_max_age,
-                    index_file.wall_clock(),
+                    time.time(),
                 )
                 if positions:
                     self.intake.resume(positions)
@@ -146,7 +147,7 @@ class KvView:
                     self._identity,
                     self.events,
                     current.positions(),
-                    index_file.wall_clock(),
+                    time.time(),
                 )
             except OSError as error:
                 log.warning("cannot save the KV index to %s: %s", self._index_file, error)

@@ -20,15 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import jinja2
 import pytest
 from tokenizers import Tokenizer
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
-from tests.support.mock_engine import MockEngineHandle, running_mock_engine
+from tests.support.mock_engine import MockEngineHandle, generate_on, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 ROUTER = shutil.which("vllm-router") or str(
@@ -188,18 +186,7 @@ def render_prompt(content: str) -> list[int]:
 
 
 def pin(mock: MockEngineHandle, rank: int, prompt: list[int]) -> None:
-    with grpc.insecure_channel(mock.target) as channel:
-        stub: Any = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call]
-        stub.Generate(
-            inference_pb2.GenerateRequest(
-                request_id=f"warm-{rank}-{time.monotonic_ns()}",
-                token_ids=inference_pb2.TokenIds(ids=prompt),
-                temperature=0.0,
-                stopping=inference_pb2.StoppingCriteria(max_new_tokens=1),
-            ),
-            metadata=(("x-data-parallel-rank", str(rank)),),
-            timeout=30,
-        )
+    generate_on(mock.target, rank, prompt)
 
 
 def test_router_serves_chat_through_the_mocker(

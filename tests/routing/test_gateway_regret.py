@@ -13,15 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
-from rankgate.mocker.config import MockEngineConfig
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
-from tests.support.mock_engine import MockEngineHandle, running_mock_engine
-from tests.support.ports import free_port, free_port_range
+from tests.support.metrics import metric_total
+from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
 
 MODEL = "regret-llm"
 DP = 2
@@ -35,14 +33,7 @@ class Rig:
         self.http = http
 
     def metric(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for family in text_string_to_metric_families(self.http.get("/metrics").text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    total += sample.value
-        return total
+        return metric_total(self.http, name, **labels)
 
     def chat(self, text: str, rank: int | None = None, **fields: Any) -> dict[str, Any]:
         headers = {} if rank is None else {"x-data-parallel-rank": str(rank)}
@@ -81,20 +72,7 @@ def fresh() -> str:
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
-    config = MockEngineConfig(
-        host="127.0.0.1",
-        port=free_port(),
-        dp_size=DP,
-        block_size=BLOCK,
-        model=MODEL,
-        tokenizer=str(TINY_TOKENIZER),
-        model_id=str(TINY_TOKENIZER),
-        kv_events_port=free_port_range(DP),
-        kv_replay_port=free_port_range(DP),
-        speed=0.0,
-        eos_probability=0.0,
-    )
-    with running_mock_engine(config) as handle:
+    with running_mock_engine(kv_mock_config(MODEL, dp_size=DP, block_size=BLOCK)) as handle:
         argv = [
             "serve",
             "--engine", handle.target,

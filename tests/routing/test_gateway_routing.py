@@ -19,18 +19,16 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
-from rankgate.mocker.config import MockEngineConfig
 from tests.app.serving import serve_app
 from tests.app.test_route_header import route_of, served_on
 from tests.conftest import TINY_TOKENIZER
 from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.engines import EngineUnderTest
-from tests.support.mock_engine import MockEngineHandle, running_mock_engine
-from tests.support.ports import free_port, free_port_range
+from tests.support.metrics import metric_total
+from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
 
 MODEL = "routing-llm"
 DP = 2
@@ -58,15 +56,7 @@ class Rig:
         )
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.http.get("/metrics").text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    total += sample.value
-        return total
+        return metric_total(self.http, name, **labels)
 
     def wait_metric(self, name: str, at_least: float, within: float = 10.0, **labels: str) -> None:
         deadline = time.monotonic() + within
@@ -78,19 +68,7 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
-    config = MockEngineConfig(
-        host="127.0.0.1",
-        port=free_port(),
-        dp_size=DP,
-        block_size=BLOCK,
-        model=MODEL,
-        tokenizer=str(TINY_TOKENIZER),
-        model_id=str(TINY_TOKENIZER),
-        kv_events_port=free_port_range(DP),
-        kv_replay_port=free_port_range(DP),
-        speed=SPEED,
-        eos_probability=0.0,
-    )
+    config = kv_mock_config(MODEL, dp_size=DP, block_size=BLOCK, speed=SPEED)
     with running_mock_engine(config) as handle:
         argv = [
             "serve",

@@ -18,13 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
-from rankgate.mocker.config import GrpcServices, MockEngineConfig
+from rankgate.mocker.config import GrpcServices
 from rankgate.mocker.transfer import Role
 from rankgate.sidecar.proto.vllm import control_pb2, control_pb2_grpc, kv_transfer_pb2_grpc
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
-from tests.support.mock_engine import MockEngineHandle, running_mock_engine
-from tests.support.ports import free_port, free_port_range
+from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
 
 MODEL = "layout-llm"
 DP = 2
@@ -34,21 +33,7 @@ LAYOUTS: list[GrpcServices] = ["combined", "split"]
 
 def mock(layout: GrpcServices, role: Role = "both") -> Any:
     return running_mock_engine(
-        MockEngineConfig(
-            host="127.0.0.1",
-            port=free_port(),
-            dp_size=DP,
-            block_size=BLOCK,
-            model=MODEL,
-            tokenizer=str(TINY_TOKENIZER),
-            model_id=str(TINY_TOKENIZER),
-            kv_events_port=free_port_range(DP),
-            kv_replay_port=free_port_range(DP),
-            speed=0.0,
-            eos_probability=0.0,
-            grpc_services=layout,
-            role=role,
-        )
+        kv_mock_config(MODEL, dp_size=DP, block_size=BLOCK, grpc_services=layout, role=role)
     )
 
 

@@ -6,24 +6,25 @@ buffer that has rolled past the engine's early events leaves the new gateway bli
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
 from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
-from rankgate.mocker.config import MockEngineConfig
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
-from tests.support.mock_engine import MockEngineHandle, running_mock_engine
-from tests.support.ports import free_port, free_port_range
+from tests.support.metrics import metric_total
+from tests.support.mock_engine import (
+    MockEngineHandle,
+    generate_on,
+    kv_mock_config,
+    running_mock_engine,
+)
 
 MODEL = "restart-llm"
 DP = 2
@@ -34,19 +35,8 @@ REPLAY_BATCHES = 4
 
 @pytest.fixture(scope="module")
 def mock() -> Iterator[MockEngineHandle]:
-    config = MockEngineConfig(
-        host="127.0.0.1",
-        port=free_port(),
-        dp_size=DP,
-        block_size=BLOCK,
-        model=MODEL,
-        tokenizer=str(TINY_TOKENIZER),
-        model_id=str(TINY_TOKENIZER),
-        kv_events_port=free_port_range(DP),
-        kv_replay_port=free_port_range(DP),
-        kv_replay_buffer_steps=REPLAY_BATCHES,
-        speed=0.0,
-        eos_probability=0.0,
+    config = kv_mock_config(
+        MODEL, dp_size=DP, block_size=BLOCK, kv_replay_buffer_steps=REPLAY_BATCHES
     )
     with running_mock_engine(config) as handle:
         yield handle
@@ -71,18 +61,7 @@ def prompt_ids(tag: str, blocks: int = 6) -> list[int]:
 
 def pin(mock: MockEngineHandle, rank: int, ids: list[int]) -> None:
     """A request straight to the engine on ``rank``, with no gateway in between."""
-    with grpc.insecure_channel(mock.target) as channel:
-        stub: Any = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call]
-        stub.Generate(
-            inference_pb2.GenerateRequest(
-                request_id=f"direct-{os.urandom(4).hex()}",
-                token_ids=inference_pb2.TokenIds(ids=ids),
-                temperature=0.0,
-                stopping=inference_pb2.StoppingCriteria(max_new_tokens=1),
-            ),
-            metadata=(("x-data-parallel-rank", str(rank)),),
-            timeout=30,
-        )
+    generate_on(mock.target, rank, ids)
 
 
 def route(http: httpx.Client, ids: list[int]) -> tuple[int, int]:
@@ -100,15 +79,8 @@ def route(http: httpx.Client, ids: list[int]) -> tuple[int, int]:
     return int(fields["rank"]), int(fields["cached"].split("/")[0])
 
 
-def metric(http: httpx.Client, name: str, labels: str) -> float:
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(f"{name}{{{labels}}}"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def indexed(http: httpx.Client, rank: int) -> float:
-    return metric(http, "rankgate_routing_index_blocks", f'medium="device",rank="{rank}"')
+    return metric_total(http, "rankgate_routing_index_blocks", medium="device", rank=str(rank))
 
 
 def wait_indexed(http: httpx.Client, rank: int, blocks: float) -> None:
@@ -138,7 +110,9 @@ def test_a_restarted_gateway_routes_on_the_caches_at_once(
         assert route(http, early) == (1, len(early))
         # The replay from where the saved index ends is asked for as the gateway starts.
         deadline = time.monotonic() + 10
-        while metric(http, "rankgate_kv_event_replays_total", 'outcome="complete",rank="0"') < 1:
+        while (
+            metric_total(http, "rankgate_kv_event_replays_total", outcome="complete", rank="0") < 1
+        ):
             assert time.monotonic() < deadline, "the batch published meanwhile was not replayed"
             time.sleep(0.02)
         assert route(http, meanwhile) == (0, len(meanwhile))

@@ -8,6 +8,7 @@ run a coroutine on the engine's loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
@@ -15,11 +16,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import grpc
+
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.mocker.engine import RankEngine
 from rankgate.mocker.faults import Faults
 from rankgate.mocker.server import MockServer
 from rankgate.mocker.threaded import serving_in_thread
+from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from tests.conftest import TINY_TOKENIZER
+from tests.support.ports import free_port, free_port_range
 
 T = TypeVar("T")
 
@@ -221,3 +227,44 @@ def running_mock_engine(config: MockEngineConfig) -> Iterator[MockEngineHandle]:
     """Start the mock on a private thread and event loop; stop it (and the thread) on exit."""
     with serving_in_thread(config) as (server, loop):
         yield MockEngineHandle(server, loop)
+
+
+def kv_mock_config(
+    model: str, *, dp_size: int = 2, block_size: int = 16, **fields: Any
+) -> MockEngineConfig:
+    """A mock on loopback that routing tests talk to: the tiny tokenizer, a KV-event publisher
+    and a replay socket per rank on free ports, zero latency and no EOS unless ``fields`` say
+    otherwise."""
+    settings: dict[str, Any] = {"speed": 0.0, "eos_probability": 0.0, **fields}
+    return MockEngineConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        dp_size=dp_size,
+        block_size=block_size,
+        model=model,
+        tokenizer=str(TINY_TOKENIZER),
+        model_id=str(TINY_TOKENIZER),
+        kv_events_port=free_port_range(dp_size),
+        kv_replay_port=free_port_range(dp_size),
+        **settings,
+    )
+
+
+_direct = itertools.count()
+
+
+def generate_on(target: str, rank: int, prompt: list[int]) -> None:
+    """One token for ``prompt`` straight from the engine at ``target`` on ``rank``, with no
+    gateway in between (what another client of the same engine would send)."""
+    with grpc.insecure_channel(target) as channel:
+        stub: Any = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call]
+        stub.Generate(
+            inference_pb2.GenerateRequest(
+                request_id=f"direct-{rank}-{next(_direct)}-{time.monotonic_ns()}",
+                token_ids=inference_pb2.TokenIds(ids=prompt),
+                temperature=0.0,
+                stopping=inference_pb2.StoppingCriteria(max_new_tokens=1),
+            ),
+            metadata=(("x-data-parallel-rank", str(rank)),),
+            timeout=30,
+        )
