@@ -152,6 +152,7 @@ class _Feed:
         self.source = source
         self.label = str(source.rank)
         self.lag_gauge = metrics.event_lag.labels(self.label)
+        self.sequence_gauge = metrics.event_sequence.labels(self.label)
         self.batch_counters = {
             origin: metrics.event_batches.labels(self.label, origin)
             for origin in ("live", "replay")
@@ -553,6 +554,7 @@ class KvEventIntake:
 
     def _apply(self, feed: _Feed, seq: int, payload: bytes, origin: str) -> None:
         feed.expected = seq + 1
+        feed.sequence_gauge.set(seq)
         feed.unclean = False
         feed.stored = False
         try:

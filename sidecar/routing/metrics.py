@@ -252,6 +252,13 @@ class RoutingMetrics:
             ["rank", "type"],
             registry=registry,
         )
+        self.event_sequence = Gauge(
+            "rankgate_kv_event_sequence",
+            "Sequence number of the latest KV-event batch taken in from each rank; beside the "
+            "publisher's own count it shows how far the gateway's view trails the engine.",
+            ["rank"],
+            registry=registry,
+        )
         self.event_lag = Gauge(
             "rankgate_kv_event_lag_seconds",
             "Receive time minus publish time of each rank's latest KV-event batch.",

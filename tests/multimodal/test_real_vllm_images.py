@@ -27,10 +27,11 @@ from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.multimodal.identity import content_identity
 from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.app.serving import serve_app
-from tests.conformance.helpers import KvEvent, kv_listener
+from tests.conformance.helpers import KvEvent, KvEventListener, kv_listener
 from tests.multimodal.pictures import encode, noise
 from tests.multimodal.test_gateway_images import ImageServer
 from tests.support.engines import EngineUnderTest
+from tests.support.metrics import metric_total
 from tests.support.real_vllm import RealVllm
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
@@ -145,9 +146,16 @@ def post(client: httpx.Client, payload: dict[str, Any]) -> httpx.Response:
     return response
 
 
-def settle() -> None:
-    """Let the gateway's own KV-event subscribers take in what the test's listener saw."""
-    time.sleep(0.5)
+def settle(gateway: httpx.Client, events: KvEventListener, timeout: float = 30.0) -> None:
+    """Wait until the gateway's own KV-event intake has taken in every batch the test's
+    listener saw (its per-rank sequence gauge), so the next route sees those blocks."""
+    deadline = time.monotonic() + timeout
+    for rank, seqs in events.seqs.items():
+        if not seqs:
+            continue
+        while metric_total(gateway, "rankgate_kv_event_sequence", rank=str(rank)) < max(seqs):
+            assert time.monotonic() < deadline, f"the gateway never took in rank {rank}'s events"
+            time.sleep(0.05)
 
 
 def test_a_repeated_image_is_routed_to_the_rank_vllm_cached_it_on(
@@ -178,7 +186,7 @@ def test_a_repeated_image_is_routed_to_the_rank_vllm_cached_it_on(
     offsets = sorted(offset for _, offset in placed)
     assert offsets[-1] >= 0
     assert offsets[0] < 0
-    settle()
+    settle(gateway, events)
 
     # The same bytes again, now from an http URL the gateway fetches.
     url = image_server.put("/again.png", picture, "image/png")
@@ -227,7 +235,7 @@ def test_two_different_images_never_share_a_key(
     with kv_listener(llava) as events:
         first = post(gateway, body(model, text, data_url(one)))
         events.wait_for(lambda found: content_identity(one) in image_keys(found))
-        settle()
+        settle(gateway, events)
         before = prefix_hits(real_llava)
         second = post(gateway, body(model, text, data_url(other)))
         seen = events.wait_for(lambda found: content_identity(other) in image_keys(found))
@@ -243,18 +251,22 @@ def test_two_different_images_never_share_a_key(
 
 
 def test_several_new_images_in_one_request_are_each_learned(
-    gateway: httpx.Client, real_llava: RealVllm, preparer: MediaPreparer
+    gateway: httpx.Client, llava: EngineUnderTest, real_llava: RealVllm, preparer: MediaPreparer
 ) -> None:
     model = real_llava.served_model_name
     text = unique_text()
     # A size not seen before (a learnt size would make their count known at once).
     pictures = [png(105, 130, 100), png(106, 130, 100)]
     payload = body(model, text, *(data_url(p) for p in pictures))
-    first = post(gateway, payload)
+    with kv_listener(llava) as events:
+        first = post(gateway, payload)
+        events.wait_for(
+            lambda found: all(content_identity(p) in image_keys(found) for p in pictures)
+        )
+        settle(gateway, events)
     assert route(first)[3]
     for picture in pictures:
         assert preparer.learned.get(content_identity(picture)) == IMAGE_TOKENS
-    settle()
     again = post(gateway, payload)
     rank, cached, prompt, estimated = route(again)
     assert (rank, estimated) == (route(first)[0], False)
@@ -303,7 +315,7 @@ def test_the_uuid_is_the_id_vllms_own_server_gives_the_image(
         assert direct.status_code == 200, direct.text
         seen = events.wait_for(lambda found: content_identity(picture) in image_keys(found))
     holder = {rank for rank, _ in image_keys(seen)[content_identity(picture)]}
-    settle()
+    settle(gateway, events)
     before = prefix_hits(real_llava)
     through = post(gateway, payload)
     after = prefix_hits(real_llava)

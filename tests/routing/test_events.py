@@ -115,6 +115,7 @@ async def test_gap_is_filled_from_replay(event_rig: RigFactory) -> None:
     assert sample(registry, "rankgate_kv_event_gaps_total", rank="0") == 1
     assert sample(registry, "rankgate_kv_event_replays_total", rank="0", outcome="complete") == 1
     assert sample(registry, "rankgate_kv_event_batches_total", rank="0", origin="replay") == 2
+    assert sample(registry, "rankgate_kv_event_sequence", rank="0") == 2
     assert sample(registry, "rankgate_kv_event_purges_total", rank="0", reason="replay") == 0
 
 
