@@ -122,7 +122,7 @@ def mock_engine(
         tokenizer=str(model_dir),
         total_kv_blocks=args.kv_blocks * dp,
         max_running_requests=args.max_running,
-        max_model_len=65536 if args.long else 16384,
+        max_model_len=min(65536 if args.long else 16384, args.kv_blocks * BLOCK),
         kv_events_port=free_port_range(dp),
         kv_replay_port=free_port_range(dp),
         speed=args.speed,
@@ -406,7 +406,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=40.0, help="arrival window per run")
     parser.add_argument("--speed", type=float, default=0.2, help="mock timing (1.0 = GPU-like)")
-    parser.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per rank")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per rank (default 2048, with --long 8192: a rank holds the full context)",
+    )
     parser.add_argument("--max-running", type=int, default=64, help="running requests per rank")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--zipf", type=float, default=1.3)
@@ -421,6 +426,8 @@ def main() -> None:
     )
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    if args.kv_blocks is None:
+        args.kv_blocks = 8192 if args.long else 2048
     with tempfile.TemporaryDirectory(prefix="production-routing-") as work:
         print(asyncio.run(run(args, Path(work))))
 

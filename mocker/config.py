@@ -132,6 +132,14 @@ class MockEngineConfig:
             raise ConfigError("max_running_requests and max_batched_tokens must be positive")
         if self.max_model_len < 1:
             raise ConfigError("max_model_len must be positive")
+        if self.blocks_per_rank * self.block_size < self.max_model_len:
+            # vLLM refuses to start here too: a request of the full context could never be
+            # scheduled, and would wait for blocks that no eviction can free.
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} needs "
+                f"{-(-self.max_model_len // self.block_size)} KV blocks per rank, more than "
+                f"the {self.blocks_per_rank} each rank has"
+            )
         if self.speed < 0:
             raise ConfigError("speed must be >= 0 (0 = zero latency)")
         if self.paced_step_seconds < 0:

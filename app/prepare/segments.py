@@ -23,6 +23,7 @@ takes milliseconds.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -74,11 +75,20 @@ _PROBES = (
 
 # Added tokens the encoder tries when it checks itself (see :func:`probes`).
 MAX_PROBED_TOKENS = 256
-# Pieces longer than this are encoded each time rather than kept.
-MAX_PIECE_CHARS = 8192
-# Entries and total token ids kept; the oldest go first.
+# Entries and their total size in memory (text and ids, see :func:`piece_bytes`); the oldest
+# go first. Long pieces are kept too: a long system prompt or a pasted document is exactly
+# what repeats, and re-encoding 30k tokens costs tens of milliseconds.
 MAX_PIECES = 8192
-MAX_CACHED_TOKENS = 1 << 20
+MAX_CACHED_BYTES = 64 << 20
+# No one piece may take more than this share of the budget (one huge paste never flushes the
+# rest).
+MAX_PIECE_SHARE = 4
+
+
+def piece_bytes(piece: str, ids: tuple[int, ...]) -> int:
+    """What a cached piece holds in memory: its text, its tuple, an int object per id (ids
+    past 256 are not shared) and the entry in the ordered dict."""
+    return sys.getsizeof(piece) + 36 * len(ids) + 160
 
 
 def _component_ok(spec: Any, safe: frozenset[str]) -> bool:
@@ -149,7 +159,7 @@ class SegmentEncoder:
         self._outer = _Cut(added) if added else None
         self._inner = _Cut(normalized) if normalized else None
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._tokens = 0
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
@@ -257,17 +267,18 @@ class SegmentEncoder:
 
     def _miss(self, piece: str) -> list[int]:
         ids = self._encode_piece(piece)
-        if len(piece) > MAX_PIECE_CHARS:
-            return ids
         value = tuple(ids)
+        size = piece_bytes(piece, value)
+        if size > MAX_CACHED_BYTES // MAX_PIECE_SHARE:
+            return ids
         with self._lock:
             pieces = self._pieces
             if piece not in pieces:
                 pieces[piece] = value
-                self._tokens += len(value)
-                while len(pieces) > MAX_PIECES or self._tokens > MAX_CACHED_TOKENS:
-                    _, old = pieces.popitem(last=False)
-                    self._tokens -= len(old)
+                self._bytes += size
+                while len(pieces) > MAX_PIECES or self._bytes > MAX_CACHED_BYTES:
+                    old_piece, old_ids = pieces.popitem(last=False)
+                    self._bytes -= piece_bytes(old_piece, old_ids)
         return ids
 
     def agrees(self, encode_whole: Callable[[str], list[int]], probes: Iterable[str]) -> bool:
@@ -279,8 +290,8 @@ class SegmentEncoder:
         return len(self._pieces)
 
     @property
-    def cached_tokens(self) -> int:
-        return self._tokens
+    def cached_bytes(self) -> int:
+        return self._bytes
 
     def __contains__(self, piece: str) -> bool:
         return piece in self._pieces
@@ -288,7 +299,7 @@ class SegmentEncoder:
     def clear(self) -> None:
         with self._lock:
             self._pieces.clear()
-            self._tokens = 0
+            self._bytes = 0
 
 
 def probes(added: Iterable[str], limit: int | None = None) -> list[str]:

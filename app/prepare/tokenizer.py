@@ -203,6 +203,8 @@ class TextTokenizer:
         return segments
 
     def _encode_plain(self, text: str) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            return self.encode_batch([text], False)[0]
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
@@ -217,11 +219,12 @@ class TextTokenizer:
         return bound is not None and len(text) > tokens * bound
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if len(text) > LONG_TEXT_CHARS:
-            return self.encode_batch([text], add_special_tokens)[0]
         segments = self._segments
         if segments is not None and (not add_special_tokens or self._specials_add_nothing):
+            # Long pieces too: a long system prompt or document is what repeats.
             return segments.encode(text)
+        if len(text) > LONG_TEXT_CHARS:
+            return self.encode_batch([text], add_special_tokens)[0]
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

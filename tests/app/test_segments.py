@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from rankgate.app.prepare import segments
 from rankgate.app.prepare.segments import SegmentEncoder, segmentable
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.prepare.tokenizer import LONG_TEXT_CHARS, TextTokenizer
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
@@ -58,6 +59,26 @@ def test_the_tiny_tokenizer_is_encoded_piecewise() -> None:
     assert _TINY.segmented
 
 
+def test_a_long_prompt_is_served_from_its_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the length that is encoded with the GIL released, a repeated system prompt is
+    still encoded once: only the new turn reaches the library."""
+    tokenizer = TextTokenizer(TINY_TOKENIZER)
+    system = "Answer in the voice of a patient teacher. " * 400
+    assert len(system) > LONG_TEXT_CHARS
+    encoded: list[int] = []
+    plain = tokenizer.encode_batch
+
+    def counted(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        encoded.extend(len(text) for text in texts)
+        return plain(texts, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode_batch", counted)
+    for turn in range(3):
+        text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nturn {turn}"
+        assert tokenizer.encode(text, False) == _whole(_RAW, text)
+    assert encoded == [len("system\n" + system)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(_TEXTS)
 def test_piecewise_ids_equal_whole_text_ids(text: str) -> None:
@@ -85,17 +106,41 @@ def test_pieces_are_encoded_once() -> None:
 
 def test_the_piece_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(segments, "MAX_PIECES", 8)
-    monkeypatch.setattr(segments, "MAX_CACHED_TOKENS", 40)
-    monkeypatch.setattr(segments, "MAX_PIECE_CHARS", 50)
+    monkeypatch.setattr(segments, "MAX_CACHED_BYTES", 4000)
     encoder = SegmentEncoder(lambda piece: _whole(_RAW, piece), {"<|im_end|>": 4})
     for i in range(100):
         text = f"message number {i} says hi<|im_end|>" + "x y " * (i % 30)
         assert encoder.encode(text) == _whole(_RAW, text)
         assert encoder.size <= 8
-        assert encoder.cached_tokens <= 40
-    long = "word " * 20
-    encoder.encode(long)
-    assert long not in encoder
+        assert 0 < encoder.cached_bytes <= 4000
+    # Charged at its size in memory: the text, and an int object and a pointer per id.
+    kept = "word " * 5
+    encoder.encode(kept)
+    assert kept in encoder
+    assert encoder.cached_bytes >= sys.getsizeof(kept) + 36 * len(_whole(_RAW, kept))
+    # A piece over a quarter of the budget is encoded, not kept, and evicts nothing.
+    size = encoder.size
+    huge = "word " * 100
+    assert encoder.encode(huge) == _whole(_RAW, huge)
+    assert huge not in encoder
+    assert kept in encoder
+    assert encoder.size == size
+
+
+def test_a_long_piece_is_encoded_once() -> None:
+    """A long system prompt repeats across requests; only the text after it is new."""
+    calls: list[int] = []
+
+    def encode(piece: str) -> list[int]:
+        calls.append(len(piece))
+        return _whole(_RAW, piece)
+
+    encoder = SegmentEncoder(encode, {"<|im_end|>": 4})
+    system = "You are a careful assistant. " * 2000  # 58k characters
+    for turn in range(3):
+        text = f"{system}<|im_end|>question {turn}<|im_end|>"
+        assert encoder.encode(text) == _whole(_RAW, text)
+    assert calls.count(len(system)) == 1
 
 
 @pytest.mark.parametrize(
