@@ -227,6 +227,8 @@ def start_mock_engine(
     tokenizer: Path = TINY_TOKENIZER,
     paced_step_seconds: float = 0.0,
     cpus: str | None = None,
+    max_model_len: int = 8192,
+    kv_blocks: int = 8192,
 ) -> Engine:
     mdir = model_dir(work, tokenizer)
     port, kv, replay = free_port(), free_port_range(dp_size), free_port_range(dp_size)
@@ -234,7 +236,8 @@ def start_mock_engine(
         sys.executable, "-m", "rankgate.mocker", "--port", str(port), "--dp-size", str(dp_size),
         "--speed", str(speed), "--model", model, "--model-id", str(mdir),
         "--tokenizer", str(mdir), "--block-size", str(block_size),
-        "--max-model-len", "8192", "--eos-probability", "0",
+        "--max-model-len", str(max_model_len), "--total-kv-blocks", str(kv_blocks),
+        "--eos-probability", "0",
         "--kv-events-port", str(kv), "--kv-replay-port", str(replay), "--log-level", "warning",
         "--paced-step-seconds", str(paced_step_seconds),
     ]  # fmt: skip

@@ -295,7 +295,8 @@ async def one_mock(
         engine_config(args.speed, work.kv_blocks_per_rank),
         tokenizer=str(model_dir),
         model_id=str(model_dir),
-        max_model_len=8192,
+        # A rank must hold the whole context (the engine refuses to start otherwise).
+        max_model_len=min(8192, work.kv_blocks_per_rank * 16),
     )
     run = Run(name, work, PolicyResult(policy=name, workload=work.name))
     with running_mock_engine(config) as handle:
