@@ -137,7 +137,9 @@ class LoadTicket:
 
     __slots__ = ("_decision", "_prefill", "_slot", "_state", "_total", "_tracker")
 
-    _PREFILL, _DECODE, _DONE = 0, 1, 2
+    _PREFILL = 0
+    _DECODE = 1
+    _DONE = 2
 
     def __init__(
         self,

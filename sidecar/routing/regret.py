@@ -141,6 +141,8 @@ class RegretMeter:
         self._watching: list[dict[int, Watch]] = [{} for _ in range(slots)]
         self._keys = 0
         self._serial = 0
+        # Watches started whose keys are not in the tables yet (see :meth:`watch`).
+        self._unregistered: list[Watch] = []
         # Watches whose prefill is done, by deadline (the settle time is one constant).
         self._due: deque[Watch] = deque()
         # Written by the intake thread only: batches heard, batches applied whole, stores of
@@ -206,24 +208,42 @@ class RegretMeter:
 
     def watch(self, slot: int, keys: Sequence[int], predicted: int, limit: int) -> Watch | None:
         """Start watching a prompt routed to ``slot``; None when the bound on watched keys is
-        reached (the request then goes unmeasured)."""
+        reached (the request then goes unmeasured).
+
+        Its keys are entered in the rank's table by :meth:`register`, once the request is on
+        its way (``Router.sent``): a long prompt is a hundred dictionary writes that need not
+        delay it, and no event about its blocks can come before the engine has it."""
         if not keys or self._keys + len(keys) > self._max_keys:
             return None
         self._serial += 1
         watch = Watch(
             slot, keys, predicted, limit, self._batches[slot], self._matched[slot], self._serial
         )
-        table = self._watching[slot]
-        owned: Sequence[int] | AbstractSet[int] = keys
-        if not table.keys().isdisjoint(keys):
-            owned = set(keys) - table.keys()
-        table.update(zip(owned, repeat(watch)))
-        watch.owned = owned
-        self._keys += len(owned)
+        # Reserved now, so the bound holds for the watches not yet registered.
+        self._keys += len(keys)
+        self._unregistered.append(watch)
         return watch
+
+    def register(self) -> None:
+        """Enter the keys of the watches started since the last call in their ranks' tables."""
+        pending = self._unregistered
+        if not pending:
+            return
+        self._unregistered = []
+        for watch in pending:
+            keys = watch.keys
+            table = self._watching[watch.slot]
+            owned: Sequence[int] | AbstractSet[int] = keys
+            if not table.keys().isdisjoint(keys):
+                owned = set(keys) - table.keys()
+            table.update(zip(owned, repeat(watch)))
+            watch.owned = owned
+            self._keys -= len(keys) - len(owned)
 
     def prefilled(self, watch: Watch) -> None:
         """Its prefill is done: score it once its events have had time to arrive."""
+        if self._unregistered:
+            self.register()
         if watch.deadline is None:
             now = self._clock()
             watch.deadline = now + self._settle
@@ -233,12 +253,16 @@ class RegretMeter:
 
     def dropped(self, watch: Watch) -> None:
         """It ended before its prefill did: nothing to score."""
+        if self._unregistered:
+            self.register()
         if watch.deadline is None:
             watch.deadline = -1.0
             self._forget(watch)
 
     def settle(self) -> None:
         """Score the watches that are due, and apply distrust handed over by the intake."""
+        if self._unregistered:
+            self.register()
         if self._handed:
             self._handed = False
             for slot, handed in enumerate(self._distrusted):

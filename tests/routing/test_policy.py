@@ -256,11 +256,11 @@ async def test_images_fold_their_identity_into_the_blocks(event_rig: RigFactory)
     await rig.settle(1, 1)
 
     prompt = [1, 2, 3, 4, image_token, 5, 6, 7, 8, 9]
-    same = [MediaInput(uuid=uuid_a, num_tokens=8)]
+    same = (MediaInput(uuid=uuid_a, num_tokens=8),)
     assert rig.route(prompt, media=same) == (1, 16)
-    other = [MediaInput(uuid="b" * 64, num_tokens=8)]
+    other = (MediaInput(uuid="b" * 64, num_tokens=8),)
     assert rig.route(prompt, media=other)[1] == 4
-    unknown_size = [MediaInput(uuid=uuid_a)]
+    unknown_size = (MediaInput(uuid=uuid_a),)
     assert rig.route(prompt, media=unknown_size)[1] == 4
 
 
@@ -280,8 +280,8 @@ async def test_images_placed_by_the_request_need_no_token_id(event_rig: RigFacto
     )
     await rig.settle(0, 1)
     prompt = [1, 2, 3, 4, 5, 6, 42, 7, 8, 9]
-    assert rig.route(prompt, media=[MediaInput(uuid=uuid_a, num_tokens=8, position=6)]) == (0, 16)
-    assert rig.route(prompt, media=[MediaInput(uuid=uuid_a, num_tokens=8)])[1] == 0
+    assert rig.route(prompt, media=(MediaInput(uuid=uuid_a, num_tokens=8, position=6),)) == (0, 16)
+    assert rig.route(prompt, media=(MediaInput(uuid=uuid_a, num_tokens=8),))[1] == 0
 
 
 async def test_baselines() -> None:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -35,6 +36,12 @@ RANKED: dict[PolicyName, Callable[[RoutingConfig, RoutingMetrics, Clock], Ranked
 }
 
 
+def compiled() -> bool:
+    """Whether the route decision runs compiled (the optional mypyc build, ``setup.py``)."""
+    module = sys.modules[KvRouter.__module__]
+    return not str(module.__file__).endswith(".py")
+
+
 def build_router(
     config: RoutingConfig,
     registry: CollectorRegistry | None = None,
@@ -48,7 +55,7 @@ def build_router(
     """
     metrics = routing_metrics(registry)
     # Every tunable, once per router: what an operator's flags and environment amounted to.
-    log.info("routing: %r", config)
+    log.info("routing (%s): %r", "compiled" if compiled() else "pure Python", config)
     if config.policy == "engine":
         return EngineRouter(metrics)
     router = RANKED[config.policy](config, metrics, clock)
@@ -56,4 +63,11 @@ def build_router(
     return router
 
 
-__all__ = ["EngineRouter", "KvRouter", "LoadRouter", "RoundRobinRouter", "build_router"]
+__all__ = [
+    "EngineRouter",
+    "KvRouter",
+    "LoadRouter",
+    "RoundRobinRouter",
+    "build_router",
+    "compiled",
+]

@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
+from mypy_extensions import mypyc_attr
+
 from rankgate.sidecar.routing.affinity import AffinityTable
 from rankgate.sidecar.routing.base import RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
@@ -54,6 +56,7 @@ from rankgate.sidecar.types import EngineInfo, PreparedRequest
 log = logging.getLogger(__name__)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KvRouter(RankedRouter):
     """KV-cache-aware and load-aware: the policy this gateway exists for.
 
@@ -134,8 +137,11 @@ class KvRouter(RankedRouter):
         self.predicted = PredictedIndex(capacity, ttl, self.clock) if ttl > 0 else None
 
     def sent(self) -> None:
+        """The routed request is on its way: the bookkeeping it left for now."""
         if self.predicted is not None:
             self.predicted.settle()
+        if self.regret is not None:
+            self.regret.register()
 
     async def start(self) -> None:
         await self.view.start()

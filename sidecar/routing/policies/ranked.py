@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 
 import msgspec
+from mypy_extensions import mypyc_attr
 
 from rankgate.sidecar.errors import EngineUnavailable
 from rankgate.sidecar.routing.base import RouteDecision, RouteTicket
@@ -33,6 +34,7 @@ def topology_of(info: EngineInfo) -> Topology:
     return Topology(info.ranks, info.block_size, device, running, info.kv_event_sources)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RankedRouter:
     """Shared by the policies that pick a rank: topology, load view, pins and metrics."""
 
