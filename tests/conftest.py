@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import grpc
 import pytest
@@ -156,6 +156,16 @@ def real_pd(real_engines: RealEngines) -> RealVllmPair:
 
 @pytest.fixture(scope="session")
 def mock_vllm() -> Iterator[EngineUnderTest]:
+    yield from _conformance_mock("combined")
+
+
+@pytest.fixture(scope="session")
+def mock_vllm_split() -> Iterator[EngineUnderTest]:
+    """The mocker with vLLM main's split services (KV-event discovery on vllm.KvTransfer)."""
+    yield from _conformance_mock("split")
+
+
+def _conformance_mock(services: Literal["combined", "split"]) -> Iterator[EngineUnderTest]:
     from rankgate.mocker.config import MockEngineConfig
     from tests.support.mock_engine import running_mock_engine
 
@@ -170,10 +180,12 @@ def mock_vllm() -> Iterator[EngineUnderTest]:
         kv_replay_port=free_port_range(CONFORMANCE_DP),
         speed=0.0,
         max_model_len=512,
+        grpc_services=services,
     )
     with running_mock_engine(config) as handle:
         yield EngineUnderTest(
             kind="mock",
+            grpc_services=services,
             target=handle.target,
             dp_size=config.dp_size,
             block_size=config.block_size,
@@ -187,11 +199,12 @@ def mock_vllm() -> Iterator[EngineUnderTest]:
 
 @pytest.fixture(
     scope="session",
-    params=["mock", pytest.param("real", marks=pytest.mark.real_vllm)],
+    params=["mock", "mock_split", pytest.param("real", marks=pytest.mark.real_vllm)],
 )
 def engine(request: pytest.FixtureRequest) -> EngineUnderTest:
-    """Each conformance test runs once per engine: the mocker and real vLLM (DP=2)."""
-    name = "mock_vllm" if request.param == "mock" else "real_vllm"
+    """Each conformance test runs once per engine: the mocker in vLLM 0.32's service layout
+    and in vLLM main's split one, and real vLLM (DP=2)."""
+    name = {"mock": "mock_vllm", "mock_split": "mock_vllm_split"}.get(request.param, "real_vllm")
     result: EngineUnderTest = request.getfixturevalue(name)
     return result
 

@@ -67,7 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 def test_the_served_router_uses_the_operators_settings(served: tuple[str, Path]) -> None:
     _, log = served
     text = log.read_text()
-    assert "routing: RoutingConfig(policy='kv'" in text, text
+    assert "routing (pure Python): RoutingConfig(policy='kv'" in text, text
     assert "decode_weight=0.25" in text
     assert "hot_spill_requests=3" in text
     assert "replay_timeout=1.5" in text

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from rankgate.sidecar.proto.vllm import control_pb2, control_pb2_grpc, inference_pb2_grpc
+from rankgate.sidecar.proto.vllm import (
+    control_pb2,
+    control_pb2_grpc,
+    inference_pb2_grpc,
+    kv_transfer_pb2_grpc,
+)
 from tests.conformance import helpers
 from tests.support.engines import EngineUnderTest
 
@@ -28,11 +35,21 @@ def tokenizer(engine: EngineUnderTest) -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def kv_sources(
+    engine: EngineUnderTest,
+    engine_channel: grpc.Channel,
     control_stub: control_pb2_grpc.ControlStub,
 ) -> list[control_pb2.KvEventSource]:
-    reply = control_stub.GetKvEventSources(
-        control_pb2.GetKvEventSourcesRequest(), timeout=helpers.RPC_TIMEOUT_S
-    )
+    """Where the engine says its KV events are published: on vllm.Control, or on
+    vllm.KvTransfer for the split layout, whose Control answers UNIMPLEMENTED."""
+    request = control_pb2.GetKvEventSourcesRequest()
+    if engine.grpc_services == "split":
+        with pytest.raises(grpc.RpcError) as moved:
+            control_stub.GetKvEventSources(request, timeout=helpers.RPC_TIMEOUT_S)
+        assert moved.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        stub: Any = kv_transfer_pb2_grpc.KvTransferStub(engine_channel)  # type: ignore[no-untyped-call]
+        reply = stub.GetKvEventSources(request, timeout=helpers.RPC_TIMEOUT_S)
+    else:
+        reply = control_stub.GetKvEventSources(request, timeout=helpers.RPC_TIMEOUT_S)
     return list(reply.sources)
 
 

@@ -25,6 +25,8 @@ class EngineUnderTest:
     mock: Any = None
     # Real vLLM's own OpenAI HTTP server on the same engine (empty for the mocker).
     http_url: str = ""
+    # "split": KV-event discovery moved from vllm.Control to vllm.KvTransfer (vLLM main).
+    grpc_services: Literal["combined", "split"] = "combined"
 
     @property
     def host(self) -> str:
