@@ -121,6 +121,8 @@ class RankEngine:
         self._dead: RpcStatus | None = None
         self._tick = 0  # the paced clock's last tick this rank stepped at
         self.die_after_tokens: int | None = None
+        # Extra seconds every step takes (a fault: a zero-latency engine made slow at will).
+        self.step_delay = 0.0
         self.on_death: Callable[[], None] | None = None
         self.withhold_transfer: Callable[[], bool] | None = None
         # Prefill side: finished requests' blocks kept for a decode engine to read, by id.
@@ -334,6 +336,8 @@ class RankEngine:
                 await asyncio.sleep(seconds)
             else:
                 await asyncio.sleep(0)
+            if self.step_delay:
+                await asyncio.sleep(self.step_delay)
             self._apply(batch)
             self._publish()
 

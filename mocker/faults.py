@@ -99,6 +99,11 @@ class Faults:
             engine.kill()
         await self.set_serving(False)
 
+    def slow_steps(self, seconds: float) -> None:
+        """Make every engine step take ``seconds`` longer (0 restores the configured speed)."""
+        for engine in self._group.engines.values():
+            engine.step_delay = seconds
+
     def kill_after_tokens(self, tokens: int) -> None:
         """Die as soon as any request has produced ``tokens`` tokens (mid-stream death)."""
         for engine in self._group.engines.values():

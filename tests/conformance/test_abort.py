@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -32,6 +33,21 @@ SETTLE_LIMIT_S = 30.0
 ABORT_ATTEMPTS = 5
 
 
+@pytest.fixture
+def abortable(engine: EngineUnderTest) -> Iterator[None]:
+    """On the mock, steps of a millisecond: a zero-latency engine finishes a whole run before
+    an Abort sent after its first tokens can land on a busy machine; at this pace a run takes
+    half a second. Real vLLM on the CPU is slower than that by itself."""
+    if engine.mock is None:
+        yield
+        return
+    engine.mock.faults.slow_steps(0.001)
+    try:
+        yield
+    finally:
+        engine.mock.faults.slow_steps(0.0)
+
+
 def long_request(prompt: list[int]) -> inference_pb2.GenerateRequest:
     """Runs to the context limit unless stopped: only an abort can end it early."""
     limit = MAX_MODEL_LEN - len(prompt)
@@ -40,9 +56,10 @@ def long_request(prompt: list[int]) -> inference_pb2.GenerateRequest:
     )
 
 
+@pytest.mark.usefixtures("abortable")
 def test_control_abort_ends_stream_with_aborted(engine_channel: grpc.Channel) -> None:
-    # A zero-latency mock can finish all its tokens before the Abort lands on a busy machine;
-    # such a run says nothing about Abort, so it is tried again with a fresh prompt.
+    # A run that finishes all its tokens before the Abort lands says nothing about Abort, so
+    # it is tried again with a fresh prompt.
     for _ in range(ABORT_ATTEMPTS):
         request = long_request(fresh_prompt(16))
         limit = request.stopping.max_new_tokens
@@ -114,13 +131,14 @@ def test_a_stream_read_to_the_end_stores_every_decoded_block(
     assert decoded_blocks == decoded_blocks_of_a_full_run(engine)
 
 
+@pytest.mark.usefixtures("abortable")
 def test_dropping_the_stream_aborts_the_request(
     engine_channel: grpc.Channel, engine: EngineUnderTest
 ) -> None:
     """A running request stores a block every block_size tokens; after the drop they stop.
 
-    As with Abort, a zero-latency mock can run to the limit before the cancel lands on a busy
-    machine; such a run says nothing about the drop, so it is tried again with a fresh prompt.
+    As with Abort, a run that reaches its limit before the cancel lands says nothing about the
+    drop, so it is tried again with a fresh prompt.
     """
     full_run_blocks = decoded_blocks_of_a_full_run(engine)
     for _ in range(ABORT_ATTEMPTS):

@@ -81,6 +81,9 @@ class MockFaults:
     def kill_after_tokens(self, tokens: int) -> None:
         self._handle.call(lambda: self._faults.kill_after_tokens(tokens))
 
+    def slow_steps(self, seconds: float) -> None:
+        self._handle.call(lambda: self._faults.slow_steps(seconds))
+
     def revive_engine(self) -> None:
         self._handle.run(self._faults.revive_engine())
 
