@@ -48,7 +48,14 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         "--route-prefill-weight",
         "prefill_weight",
         float,
-        "cost per prompt token a rank still has to prefill, its queue included",
+        "cost per prompt token a rank still has to prefill (its queue's at --route-queue-weight)",
+    ),
+    _tunable(
+        "--route-queue-weight",
+        "queue_weight",
+        float,
+        "what a token of prefill queued on a rank weighs against one of the request's own "
+        "uncached prompt (below 1: a cached prefix is worth waiting for)",
     ),
     _tunable(
         "--route-decode-weight",

@@ -54,15 +54,21 @@ async def test_no_rank_above_capacity_while_another_has_room(event_rig: RigFacto
     assert rig.router.route(prepared(P + TAIL, "again")).decision.rank == 0
 
 
-async def test_cost_trades_cached_prefix_against_queued_prefill() -> None:
-    router = build_router(RoutingConfig(share_weight=0, decode_weight=0.0), CollectorRegistry())
+@pytest.mark.parametrize(("queue_weight", "waits"), [(1.0, False), (0.5, True)])
+async def test_cost_trades_cached_prefix_against_queued_prefill(
+    queue_weight: float, waits: bool
+) -> None:
+    config = RoutingConfig(share_weight=0, decode_weight=0.0, queue_weight=queue_weight)
+    router = build_router(config, CollectorRegistry())
     router.configure(engine_info((0, 1)))
     long_prompt = list(range(100, 400))
     first = router.route(prepared(long_prompt, "a"))
-    # While the first is still prefilling, its rank has 300 tokens queued: re-prefilling the
-    # same 300 elsewhere is no worse, so the idle rank wins.
+    # While the first is still prefilling, its rank has 300 tokens queued and (predicted)
+    # 296 of the prompt's: 4 + 300 * queue_weight against re-prefilling all 300 on the idle
+    # rank. Counted in full, the queue sends the copy away; at the default half, it waits for
+    # the cached prefix rather than compute it twice.
     during = router.route(prepared(long_prompt, "b"))
-    assert during.decision.rank != first.decision.rank
+    assert (during.decision.rank == first.decision.rank) is waits
     during.finished()
     first.first_token()
     # Prefill done: the prompt is (predicted) cached there, so the next one stays.
@@ -326,6 +332,8 @@ def test_config_is_validated() -> None:
         RoutingConfig(recent_half_life=0)
     with pytest.raises(ValueError, match="prefill_weight"):
         RoutingConfig(prefill_weight=-0.5)
+    with pytest.raises(ValueError, match="queue_weight"):
+        RoutingConfig(queue_weight=-0.5)
     with pytest.raises(ValueError, match="image_token_id"):
         RoutingConfig(image_token_id=-1)
     with pytest.raises(ValueError, match="burst"):

@@ -1,7 +1,7 @@
 """``kv``, the default policy: KV-cache-aware and load-aware.
 
 It prices each rank like Dynamo's KV router, in prompt-token units:
-``prefill_weight * (uncached prompt tokens + prefill already queued there)
+``prefill_weight * (uncached prompt tokens + queue_weight * prefill already queued there)
 + decode_weight * tokens held by its requests in decode
 + recent_weight * prompt tokens it prefilled lately`` (fading with ``recent_half_life``)
 ``+ share_weight * its recent requests beyond a fair share`` (fading with
@@ -275,9 +275,9 @@ class KvRouter(RankedRouter):
     ) -> tuple[int, str]:
         load = self.load
         config = self.config
-        wp, wd = config.prefill_weight, config.decode_weight
+        wp, wd, wq = config.prefill_weight, config.decode_weight, config.queue_weight
         costs = [
-            wp * (prompt_tokens - hit + queued) + wd * decoding
+            wp * (prompt_tokens - hit + wq * queued) + wd * decoding
             for hit, queued, decoding in zip(
                 cached, load.prefill_tokens, load.decode_tokens, strict=True
             )
