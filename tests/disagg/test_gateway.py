@@ -25,9 +25,12 @@ from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.mock_engine import running_mock_engine
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
-    with engine_pair() as engines:
+@pytest.fixture(scope="module", params=["combined", "split"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """Both engines in vLLM 0.32's service layout, then in vLLM main's split one (KV-event
+    discovery on vllm.KvTransfer, health per service)."""
+    layout = {"grpc_services": request.param}
+    with engine_pair(layout, layout) as engines:
         yield engines
 
 
