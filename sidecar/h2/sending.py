@@ -232,14 +232,7 @@ class H2Sending(Generic[S]):
         all of it left now. ``prefix`` spares the caller joining a small head (a gRPC message
         head) to a large body."""
         size = len(data) + len(prefix)
-        if (
-            stream.pending is None
-            and size <= stream.send_window
-            and size <= self.send_window
-            and size <= self.peer_max_frame
-        ):
-            stream.send_window -= size
-            self.send_window -= size
+        if self.reserve(stream, size):
             flags = END_STREAM if end_stream else 0
             out = self.out
             out.append(

@@ -242,8 +242,7 @@ class RegretMeter:
 
     def prefilled(self, watch: Watch) -> None:
         """Its prefill is done: score it once its events have had time to arrive."""
-        if self._unregistered:
-            self.register()
+        self.register()
         if watch.deadline is None:
             now = self._clock()
             watch.deadline = now + self._settle
@@ -253,16 +252,14 @@ class RegretMeter:
 
     def dropped(self, watch: Watch) -> None:
         """It ended before its prefill did: nothing to score."""
-        if self._unregistered:
-            self.register()
+        self.register()
         if watch.deadline is None:
             watch.deadline = -1.0
             self._forget(watch)
 
     def settle(self) -> None:
         """Score the watches that are due, and apply distrust handed over by the intake."""
-        if self._unregistered:
-            self.register()
+        self.register()
         if self._handed:
             self._handed = False
             for slot, handed in enumerate(self._distrusted):
