@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from collections import deque
 from pathlib import Path
 
 _LOWEST = 10_000
@@ -43,6 +44,9 @@ def _band() -> tuple[int, int]:
 
 _RANDOM = random.Random()
 _BAND = _band()
+# Ports handed out lately, not handed out again until this many more have been.
+_RECENT: deque[int] = deque(maxlen=1024)
+_HANDED: set[int] = set()
 
 
 def _bindable(port: int) -> bool:
@@ -66,13 +70,24 @@ def free_port() -> int:
 
 
 def free_port_range(count: int) -> int:
-    """Return a base port such that ``base .. base+count-1`` are all free right now.
+    """Return a base port such that ``base .. base+count-1`` are all free right now, and none
+    was handed out lately.
 
-    KV-event publishers bind ``base + rank``, so consecutive ports are needed.
+    KV-event publishers bind ``base + rank``, so consecutive ports are needed. A port handed
+    out is free but not yet bound: a test that asks for its engine's gRPC port and then its
+    KV-event ports must not get the same port twice, or whichever binds second fails.
     """
     low, high = _BAND
     for _ in range(_TRIES):
         base = _RANDOM.randint(low, high - count + 1)
-        if all(_bindable(base + offset) for offset in range(count)):
+        ports = range(base, base + count)
+        if not _HANDED.isdisjoint(ports):
+            continue
+        if all(_bindable(port) for port in ports):
+            for port in ports:
+                if len(_RECENT) == _RECENT.maxlen:
+                    _HANDED.discard(_RECENT[0])
+                _RECENT.append(port)
+                _HANDED.add(port)
             return base
     raise RuntimeError(f"no run of {count} free loopback ports found in {low}-{high}")
