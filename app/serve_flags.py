@@ -11,6 +11,7 @@ from rankgate.app.auth import API_KEY_ENV
 from rankgate.app.flags import Flag, comma_list, on_off
 from rankgate.app.respond.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSERS
 from rankgate.app.routing_flags import ROUTING_FLAGS
+from rankgate.sidecar import PREFILL_MODES
 
 POLICIES = ("kv", "load", "round_robin", "engine")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -63,6 +64,44 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "decode_handoff_timeout",
         "seconds a disaggregated decode whose client left is still read for its first "
         "token, so its KV transfer completes, and an aborted prefill for its end "
+        "(default: %(default)s)",
+        float,
+    ),
+    Flag(
+        "--pd-prefill",
+        "disagg.prefill_mode",
+        "disaggregated serving: where each prompt is prefilled: auto decides per request "
+        "from both engines' caches and queues, remote always uses the prefill engine, local "
+        "always the decode engine (default: %(default)s)",
+        choices=PREFILL_MODES,
+    ),
+    Flag(
+        "--pd-local-prefill-tokens",
+        "disagg.local_prefill_tokens",
+        "with --pd-prefill auto: a prompt with at most this many tokens not cached on the "
+        "decode engine is prefilled there, skipping the transfer (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--pd-local-prefill-weight",
+        "disagg.local_prefill_weight",
+        "with --pd-prefill auto: how many times a longer local prefill's tokens weigh "
+        "against the prefill engine's uncached and queued ones (default: %(default)s)",
+        float,
+    ),
+    Flag(
+        "--pd-transfer-token-cost",
+        "disagg.transfer_token_cost",
+        "with --pd-prefill auto: the cost of pulling one token's KV, in prefilled tokens "
+        "(default: %(default)s)",
+        float,
+    ),
+    Flag(
+        "--prefill-kv-lease",
+        "disagg.kv_lease",
+        "seconds the prefill engine holds a finished prefill's KV for its decode (vLLM's "
+        "kv_lease_duration); a decode not started within it, less a tenth (at most 1 s), is "
+        "prefilled again on the decode engine rather than answered from that KV "
         "(default: %(default)s)",
         float,
     ),

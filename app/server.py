@@ -165,7 +165,7 @@ async def _start_sidecar(
     stack: AsyncExitStack,
     shared_load: SharedLoadBoard | None,
 ) -> Engine:
-    from rankgate.sidecar import DisaggregatedEngine, build_router, routing_for
+    from rankgate.sidecar import DisaggMetrics, DisaggregatedEngine, build_router, routing_for
 
     settings = await asyncio.to_thread(stack.enter_context, demo_engines(settings))
     routing = settings.routing_config()
@@ -180,6 +180,8 @@ async def _start_sidecar(
         serving = DisaggregatedEngine(
             _sidecar(settings, settings.prefill_engine, prefill),
             _sidecar(settings, settings.decode_engine, decode),
+            settings.disagg,
+            DisaggMetrics(registry),
         )
     else:
         assert settings.engine is not None  # demo_engines filled it in when it was not given

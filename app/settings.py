@@ -11,7 +11,7 @@ from rankgate.app.connections import ConnectionLimits
 from rankgate.app.limits import InputLimits
 from rankgate.app.response_store import StoreLimits
 from rankgate.multimodal import MediaConfig
-from rankgate.sidecar import AdmissionConfig, RoutingConfig
+from rankgate.sidecar import AdmissionConfig, DisaggConfig, RoutingConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +31,8 @@ class GatewaySettings:
     demo_engines: bool = False
     # Seconds a decode request whose client left is still read for its first token.
     decode_handoff_timeout: float = 30.0
+    # Disaggregated serving: where each prefill runs, and how long held KV is trusted.
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     tokenizer: str | None = None
     served_model_name: str | None = None
     policy: str = "kv"

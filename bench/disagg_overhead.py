@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.mocker.transfer import Role
-from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.config import DisaggConfig, SidecarConfig
 from rankgate.sidecar.disagg import DisaggregatedEngine, routing_for
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.routing.config import RoutingConfig
@@ -108,7 +108,9 @@ async def _run(
 async def _measure(targets: dict[Role, str], requests: int, concurrency: int, tokens: int) -> Any:
     aggregated = _sidecar(targets["both"], False)
     split = DisaggregatedEngine(
-        _sidecar(targets["prefill"], True), _sidecar(targets["decode"], True)
+        _sidecar(targets["prefill"], True),
+        _sidecar(targets["decode"], True),
+        DisaggConfig(prefill_mode="remote"),
     )
     await aggregated.start()
     await split.start()

@@ -48,6 +48,7 @@ from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.sidecar.admission import AdmissionConfig
+from rankgate.sidecar.config import DisaggConfig
 from rankgate.sidecar.convert import decode_transfer_params, encode_transfer_params
 from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.app.serving import serve_app
@@ -292,6 +293,7 @@ async def gateway_handoff(pair: RealVllmPair, args: argparse.Namespace) -> None:
         tokenizer=str(pair.decode.model_dir),
         startup_timeout=180.0,
         admission=AdmissionConfig(per_rank=1),
+        disagg=DisaggConfig(prefill_mode="remote"),
     )
     rng = random.Random(9)
 

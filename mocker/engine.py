@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -30,10 +31,12 @@ from rankgate.mocker.outbox import Outbox
 from rankgate.mocker.output import Emitted, Finish, Sequence
 from rankgate.mocker.request import MockRequest
 from rankgate.mocker.status import ENGINE_DEAD, RpcStatus, internal
-from rankgate.mocker.transfer import READ_NOTICE, issue, read_notice
+from rankgate.mocker.transfer import LEASE_ENDS_KEY, READ_NOTICE, issue, read_notice
 from rankgate.mocker.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
+# Mixed into a sampling context to give a decode that read released KV unrelated output.
+GARBAGE_KEY = 0x5A17_C0DE_5EED
 
 
 class State(Enum):
@@ -86,6 +89,8 @@ class RankCounters:
     transfers_completed: int = 0
     # Prefill side: KV held for a remote decode, freed when the decode read it, or at lease end.
     transfers_released: int = 0
+    # Decode side: remote prefills whose KV was read after the prefill's lease ended.
+    expired_reads: int = 0
     leases_expired: int = 0
     steps: int = 0
     # Seconds of modelled step time (at ``speed``): the share of wall time a rank was busy.
@@ -221,7 +226,7 @@ class RankEngine:
             )
             return request
         if request.remote_prefill:
-            self._notify_read(params)  # an instant transfer: read, and said so, at once
+            self._read_held(request, params)  # an instant transfer: read at once
         self._enqueue(request)
         return request
 
@@ -229,8 +234,22 @@ class RankEngine:
         request.transfer = None
         self.transferring.discard(request)
         self.counters.transfers_completed += 1
-        self._notify_read(request.req.kv_transfer_params or {})
+        params = request.req.kv_transfer_params or {}
+        self._read_held(request, params)
         self._enqueue(request)
+
+    def _read_held(self, request: EngineRequest, params: dict[str, Any]) -> None:
+        """Read the prefill's KV. After its lease the prefill engine may have handed the
+        blocks to another request: vLLM's decode then answers from whatever they hold,
+        without an error, and so does the mock (its output no longer follows the prompt)."""
+        self._notify_read(params)
+        ends = params.get(LEASE_ENDS_KEY)
+        if isinstance(ends, (int, float)) and time.time() > ends:
+            self.counters.expired_reads += 1
+            spec = dataclasses.replace(
+                request.req.spec, context_key=request.req.spec.context_key ^ GARBAGE_KEY
+            )
+            request.sequence = Sequence(spec, self.vocab, self.model)
 
     def _notify_read(self, params: dict[str, Any]) -> None:
         """Tell the prefill engine its KV was read so it frees it (NIXL's notification)."""
@@ -557,6 +576,9 @@ class RankEngine:
             "pp_size": 1,
             "remote_num_tokens": len(req.prompt),
             "transfer_mode": "pull",
+            # The mock's own field (vLLM sends none): when the lease ends, so that a decode
+            # engine reading later can answer from garbage, as vLLM's would.
+            LEASE_ENDS_KEY: time.time() + c.kv_lease_seconds,
         }
         return issue(params, req.prompt, req.media, req.lora, req.cache_salt)
 

@@ -31,6 +31,8 @@ Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
 
 DIGEST_KEY = "transfer_digest"
+# The wall-clock time (epoch seconds) the prefill engine's lease on the KV ends.
+LEASE_ENDS_KEY = "mock_lease_ends_at"
 # The side-channel message by which a decode engine frees a prefill's blocks.
 READ_NOTICE = b"read:"
 # Fields NIXL does arithmetic and comparisons on (sizes, counts, the side-channel port).

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rankgate.sidecar.admission import GROUP as ADMISSION_GROUP
     from rankgate.sidecar.admission import Admission, AdmissionConfig
-    from rankgate.sidecar.config import SidecarConfig
+    from rankgate.sidecar.config import PREFILL_MODES, DisaggConfig, SidecarConfig
     from rankgate.sidecar.disagg import DisaggregatedEngine, routing_for
+    from rankgate.sidecar.disagg_metrics import DisaggMetrics
     from rankgate.sidecar.engine import Sidecar
     from rankgate.sidecar.errors import (
         BadEngineResponse,
@@ -59,6 +60,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Admission": ("admission", "Admission"),
     "AdmissionConfig": ("admission", "AdmissionConfig"),
     "SidecarConfig": ("config", "SidecarConfig"),
+    "DisaggConfig": ("config", "DisaggConfig"),
+    "PREFILL_MODES": ("config", "PREFILL_MODES"),
+    "DisaggMetrics": ("disagg_metrics", "DisaggMetrics"),
     "DisaggregatedEngine": ("disagg", "DisaggregatedEngine"),
     "merge_batch": ("fan_in", "merge_batch"),
     "routing_for": ("disagg", "routing_for"),
@@ -97,10 +101,13 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "ADMISSION_GROUP",
+    "PREFILL_MODES",
     "Admission",
     "AdmissionConfig",
     "BadEngineResponse",
     "Delta",
+    "DisaggConfig",
+    "DisaggMetrics",
     "DisaggregatedEngine",
     "DiscoveryError",
     "EngineFailure",

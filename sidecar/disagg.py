@@ -19,23 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.admission import Admission
+from rankgate.sidecar.config import DisaggConfig
+from rankgate.sidecar.disagg_metrics import DisaggMetrics
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.errors import (
     BadEngineResponse,
     DiscoveryError,
     EngineUnavailable,
     InvalidRequest,
+    KvLeaseExpired,
     SidecarError,
 )
 from rankgate.sidecar.fan_in import interleave, merge_batch
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import image_runs
+from rankgate.sidecar.routing.policies.ranked import prompt_tokens
 from rankgate.sidecar.types import (
     Delta,
     EngineInfo,
@@ -64,8 +70,16 @@ _PREFILL_OUTPUT = OutputOptions()
 # tokens an image it has not seen before expands to.
 _PREFILL_OUTPUT_WITH_IDS = OutputOptions(prompt_token_ids=True)
 _INT64 = 1 << 63
-# A finished prefill: its transfer params, the expanded prompt's length and (with images) ids.
-Prefilled = tuple[dict[str, Any], int, tuple[int, ...]]
+
+
+class Prefilled(msgspec.Struct, frozen=True):
+    """A finished remote prefill: its transfer params, the expanded prompt's length and (with
+    images) ids, and when the gateway saw it finish (``time.monotonic()``)."""
+
+    params: dict[str, Any]
+    expanded: int
+    expanded_ids: tuple[int, ...]
+    finished_at: float
 
 
 def routing_for(base: RoutingConfig) -> RoutingConfig:
@@ -84,9 +98,17 @@ def routing_for(base: RoutingConfig) -> RoutingConfig:
 class DisaggregatedEngine:
     """Serves generation across a prefill sidecar and a decode sidecar (the app's ``Engine``)."""
 
-    def __init__(self, prefill: Sidecar, decode: Sidecar) -> None:
+    def __init__(
+        self,
+        prefill: Sidecar,
+        decode: Sidecar,
+        config: DisaggConfig | None = None,
+        metrics: DisaggMetrics | None = None,
+    ) -> None:
         self._prefill = prefill
         self._decode = decode
+        self._config = config or DisaggConfig()
+        self._metrics = metrics or DisaggMetrics(CollectorRegistry())
         self._info: tuple[EngineInfo, EngineInfo, EngineInfo] | None = None
         # Prefills whose client left, being aborted and read to their end.
         self._settling: set[asyncio.Task[None]] = set()
@@ -190,16 +212,6 @@ class DisaggregatedEngine:
             )
         if request.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {request.n}")
-        if request.output.prompt_logprobs is not None:
-            # Prompt logprobs come out of a prefill's forward pass, and vLLM's transfer moves
-            # KV, not logprobs: such a request is prefilled where it decodes.
-            local = self._decode.generate(request)
-            try:
-                async for delta in local:
-                    yield delta
-            finally:
-                await local.aclose()
-            return
         if request.n == 1:
             pipeline = self._choice(request, 0)
             try:
@@ -222,8 +234,56 @@ class DisaggregatedEngine:
         ``k * n + i``; each request is admitted on each side as it reaches it."""
         return merge_batch([self.generate(request) for request in requests], n)
 
+    def placement(self, request: PreparedRequest) -> tuple[str, str]:
+        """Where to prefill ``request`` (``remote`` or ``local``) and why, from what each
+        costs now (see :class:`DisaggConfig`)."""
+        config = self._config
+        if request.output.prompt_logprobs is not None:
+            # Prompt logprobs come out of a prefill's forward pass, and vLLM's transfer moves
+            # KV, not logprobs: such a request is prefilled where it decodes.
+            return "local", "prompt_logprobs"
+        if config.prefill_mode != "auto":
+            return config.prefill_mode, "pinned"
+        if request.rank is not None:
+            # A client's rank pin names a decode rank, whose cache the pin is about.
+            local = self._decode.prefill_cost(msgspec.structs.replace(request, rank=None))
+        else:
+            local = self._decode.prefill_cost(request)
+        threshold = config.local_prefill_tokens
+        if local.uncached <= threshold:
+            short = local.uncached == prompt_tokens(request) or prompt_tokens(request) <= threshold
+            return "local", "short" if short else "decode_cached"
+        remote = self._prefill.prefill_cost(request)
+        remote_cost = remote.uncached + remote.load + config.transfer_token_cost * local.uncached
+        local_cost = config.local_prefill_weight * local.uncached + local.load
+        if local_cost < remote_cost:
+            return "local", "prefill_busy" if remote.load else "decode_cached"
+        return "remote", "cheaper"
+
     async def _choice(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
         decode = _single_choice(request, choice)
+        where, reason = self.placement(decode)
+        self._metrics.prefills.labels(where, reason).inc()
+        stream = self._local(decode, choice) if where == "local" else self._remote(decode, choice)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    async def _local(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
+        """The decode engine prefills ``request`` itself: the aggregated path on that side."""
+        stream = self._decode.generate(request)
+        try:
+            async for delta in stream:
+                if choice:
+                    delta.index = choice
+                yield delta
+        finally:
+            await stream.aclose()
+
+    async def _remote(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
+        decode = request
         # The prefill runs in a task of its own: a client that leaves mid-prefill must not
         # cut it off unseen (see _settle_prefill).
         outcome = asyncio.ensure_future(self._run_prefill(decode))
@@ -236,15 +296,65 @@ class DisaggregatedEngine:
             prefilled.index = choice
             yield prefilled
             return
-        decode = _decode_request(decode, prefilled)
-        stream = self._decode.generate(decode, decode_handoff=True)
+        trusted_until = prefilled.finished_at + self._config.trust_window
+        stream = self._decode.generate(
+            _decode_request(decode, prefilled), decode_handoff=True, trusted_until=trusted_until
+        )
         try:
+            first = await self._first_in_trust(stream, decode.request_id, prefilled)
+            if first is None:
+                # Not answered from KV that may be gone: the decode engine prefills it anew.
+                await stream.aclose()
+                again = msgspec.structs.replace(decode, request_id=f"{decode.request_id}.local")
+                stream = self._local(again, 0)
+                first = await anext(stream, None)
+                if first is None:
+                    return
+            if choice:
+                first.index = choice
+            yield first
             async for delta in stream:
                 if choice:
                     delta.index = choice
                 yield delta
         finally:
             await stream.aclose()
+
+    async def _first_in_trust(
+        self, stream: AsyncGenerator[Delta, None], request_id: str, prefilled: Prefilled
+    ) -> Delta | None:
+        """The decode's first delta if it comes while the prefill's KV is surely held; None
+        (the decode dropped, counted) if not.
+
+        A decode that produced a token had read its KV by then. One that has not, when the
+        lease can have ended, may yet read blocks the prefill engine released and reused,
+        and answer from garbage: vLLM reports no error for that. It is given up instead,
+        unsent if it still waits for a slot; if it was sent, the hand-off drain reads it to
+        its first token and drops it.
+        """
+        metrics = self._metrics
+        remaining = prefilled.finished_at + self._config.trust_window - time.monotonic()
+        try:
+            async with asyncio.timeout(max(remaining, 0.0)):
+                first = await anext(stream, None)
+        except (TimeoutError, KvLeaseExpired):
+            stage = "sent" if self._decode.sent(request_id) else "queued"
+        else:
+            metrics.kv_wait.observe(time.monotonic() - prefilled.finished_at)
+            return first
+        waited = time.monotonic() - prefilled.finished_at
+        metrics.kv_wait.observe(waited)
+        metrics.lease_missed.labels(stage).inc()
+        log.warning(
+            "the decode of %s had not started %.1f s after its prefill finished (%s), when "
+            "the prefill engine's KV lease (%.0f s) can end: prefilling it on the decode "
+            "engine instead",
+            request_id,
+            waited,
+            "sent to the decode engine" if stage == "sent" else "waiting for a decode slot",
+            self._config.kv_lease,
+        )
+        return None
 
     def _settle_prefill(
         self, outcome: asyncio.Future[Prefilled | Delta], decode: PreparedRequest
@@ -307,7 +417,10 @@ class DisaggregatedEngine:
         if isinstance(prefilled, Delta):
             return
         try:
-            self._decode.hand_off_kv(_decode_request(decode, prefilled))
+            self._decode.hand_off_kv(
+                _decode_request(decode, prefilled),
+                prefilled.finished_at + self._config.trust_window,
+            )
         except SidecarError as error:  # the KV then waits out its lease: say so
             log.warning(
                 "could not hand off the KV of %s after its client left: %s",
@@ -360,7 +473,7 @@ class DisaggregatedEngine:
                 "kv_transfer_params, so there is no KV for a decode engine to pull; check that "
                 "it runs with a KV connector (kv_role kv_producer or kv_both)"
             )
-        return params, expanded, expanded_ids
+        return Prefilled(params, expanded, expanded_ids, time.monotonic())
 
 
 def _side_info(sidecar: Sidecar, side: str) -> EngineInfo:
@@ -372,11 +485,12 @@ def _side_info(sidecar: Sidecar, side: str) -> EngineInfo:
 
 def _decode_request(decode: PreparedRequest, prefilled: Prefilled) -> PreparedRequest:
     """``decode`` carrying its prefill's transfer params, its images' sizes learned from it."""
-    params, expanded, expanded_ids = prefilled
     media = decode.media
     if media:
-        media = learned_media(media, len(decode.prompt_token_ids), expanded, expanded_ids)
-    return msgspec.structs.replace(decode, kv_transfer_params=params, media=media)
+        media = learned_media(
+            media, len(decode.prompt_token_ids), prefilled.expanded, prefilled.expanded_ids
+        )
+    return msgspec.structs.replace(decode, kv_transfer_params=prefilled.params, media=media)
 
 
 def _single_choice(request: PreparedRequest, choice: int) -> PreparedRequest:

@@ -23,7 +23,7 @@ from rankgate.sidecar.inference_client import GenerateResponse
 from rankgate.sidecar.lifecycle import Lifecycle
 from rankgate.sidecar.loras import LoraNames
 from rankgate.sidecar.proto.vllm import control_pb2
-from rankgate.sidecar.routing.base import Router
+from rankgate.sidecar.routing.base import PrefillCost, Router
 from rankgate.sidecar.status import error_from_rpc
 from rankgate.sidecar.streams import RequestStreams, StreamBook
 from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest
@@ -79,6 +79,11 @@ class Sidecar:
             raise lifecycle.unavailable()
         return current.info
 
+    def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
+        """What prefilling ``request`` on this engine would cost now, on its best rank (the
+        router's view; nothing is routed). Raises EngineUnavailable before discovery."""
+        return self._book.router.prefill_cost(request)
+
     def in_flight(self) -> dict[int, int]:
         """Engine requests this gateway has open, per pinned rank (``UNPINNED_RANK`` for those
         sent without a rank). Every served rank is listed, idle ones with 0."""
@@ -95,7 +100,11 @@ class Sidecar:
     # ---------------------------------------------------------------- generation
 
     async def generate(
-        self, request: PreparedRequest, *, decode_handoff: bool = False
+        self,
+        request: PreparedRequest,
+        *,
+        decode_handoff: bool = False,
+        trusted_until: float | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Stream the deltas of every choice of ``request``, interleaved as they arrive.
 
@@ -105,9 +114,11 @@ class Sidecar:
         cancelling its consumer) drops all of the request's streams at once, except a
         disaggregated decode (``decode_handoff``, or params marked ``do_remote_prefill``) that
         has not produced its first token yet: that one is read on in the background, at most
-        ``decode_handoff_timeout`` seconds.
+        ``decode_handoff_timeout`` seconds. Such a decode is not sent once ``trusted_until``
+        (``time.monotonic()``) has passed, when the KV it reads may be gone (KvLeaseExpired).
         """
         streams = self._streams(request, decode_handoff or is_decode_handoff(request), alone=True)
+        streams.trusted_until = trusted_until
         if not streams.inline:
             async with aclosing(self._fan_in([streams], 0)) as fanned:
                 async for item in fanned:
@@ -207,15 +218,18 @@ class Sidecar:
             for streams in batch:
                 streams.drop()
 
-    def hand_off_kv(self, request: PreparedRequest) -> None:
+    def hand_off_kv(self, request: PreparedRequest, trusted_until: float | None = None) -> None:
         """Have this (decode) engine read the KV a prefill engine holds for ``request``, whose
         client is gone, so that the prefill side frees it now rather than at its lease's end:
         the decode cut to one token, outside admission, dropped after its first token.
 
+        Nothing is sent once ``trusted_until`` has passed: the KV may be freed already.
         Raises EngineUnavailable while this engine is not served (nothing is sent then).
         """
         messages = self._lifecycle.encode(request)
-        RequestStreams(self._book, request, messages, True, False, False).hand_off_unsent()
+        streams = RequestStreams(self._book, request, messages, True, False, False)
+        streams.trusted_until = trusted_until
+        streams.hand_off_unsent()
 
     @property
     def handoff_timeout(self) -> float:

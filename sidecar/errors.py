@@ -35,6 +35,12 @@ class EngineUnavailable(SidecarError):
         self.retry_after = retry_after
 
 
+class KvLeaseExpired(EngineUnavailable):
+    """A disaggregated decode could not start before the prefill engine's KV lease may have
+    ended: the blocks it would read may be freed and reused, so it is not sent (HTTP 503 if
+    nothing else serves the request)."""
+
+
 class EngineOverloaded(SidecarError):
     """The engine or the gateway's admission control refused for load (RESOURCE_EXHAUSTED)."""
 

@@ -31,6 +31,7 @@ from rankgate.sidecar.errors import (
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
+    KvLeaseExpired,
     SidecarError,
 )
 from rankgate.sidecar.grpc_call import Call
@@ -206,6 +207,9 @@ class RequestStreams(msgspec.Struct, eq=False):
     )
     # Whether a delta has been handed on: from then on a refusal is the client's error.
     yielded: bool = False
+    # A disaggregated decode: the ``time.monotonic()`` until which the prefill engine surely
+    # still holds the KV it reads. Past it, the decode is neither sent nor handed off.
+    trusted_until: float | None = None
 
     @property
     def width(self) -> int:
@@ -213,7 +217,15 @@ class RequestStreams(msgspec.Struct, eq=False):
         return len(self._messages)
 
     def launch(self, grant: Grant) -> None:
-        """Launch every choice, each holding its slot through ``grant``."""
+        """Launch every choice, each holding its slot through ``grant``.
+
+        Raises KvLeaseExpired for a decode whose prefill's KV may be released by now.
+        """
+        if self.lease_ended():
+            raise KvLeaseExpired(
+                f"the decode of {self._request.request_id} could not start before the prefill "
+                "engine's KV lease could end"
+            )
         self._grant = grant
         request = self._request
         for choice, message in enumerate(self._messages):
@@ -235,6 +247,11 @@ class RequestStreams(msgspec.Struct, eq=False):
         if lifecycle.closed or lifecycle.pool is None:
             return
         request = self._request
+        if self.lease_ended():
+            # The prefill engine may have freed the KV already: a read now would only pull
+            # blocks that may belong to another request by now.
+            log.info("not handing off %s: its KV lease may have ended", request.request_id)
+            return
         over_limit = book.admission.grant(request.rank, len(self._messages), request.priority)
         for choice, message in enumerate(self._messages):
             release = GenerateRequest()
@@ -258,6 +275,10 @@ class RequestStreams(msgspec.Struct, eq=False):
     @property
     def request(self) -> PreparedRequest:
         return self._request
+
+    def lease_ended(self) -> bool:
+        until = self.trusted_until
+        return until is not None and time.monotonic() >= until
 
     def read(self, stream: EngineStream) -> asyncio.Future[GenerateResponse]:
         """Start reading the next message of ``stream`` into ``reads``."""

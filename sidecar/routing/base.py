@@ -38,6 +38,15 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
         return value + ";prompt=estimated" if self.estimated else value
 
 
+class PrefillCost(msgspec.Struct, frozen=True):
+    """What prefilling a prompt would cost on the rank best placed for it: the prompt tokens
+    it would still compute, and the work already there in prompt tokens as the route weighs
+    it (queued prefill and running decodes)."""
+
+    uncached: int
+    load: float
+
+
 class RouteTicket(Protocol):
     """One engine request's footprint on the router's load view; every method is idempotent."""
 
@@ -66,6 +75,10 @@ class Router(Protocol):
         ``full`` names the ranks with no admission slot left: a request the client did not
         pin goes to one of the others while any is left.
         """
+
+    def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
+        """What prefilling ``request`` here would cost now; changes nothing (a disaggregated
+        gateway weighs both engines before it routes on one)."""
 
     def sent(self) -> None:
         """The request last routed is on its way to the engine: bookkeeping the route put off

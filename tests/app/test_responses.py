@@ -15,6 +15,7 @@ from rankgate.sidecar.errors import (
     EngineOverloaded,
     EngineUnavailable,
     InvalidRequest,
+    KvLeaseExpired,
     SidecarError,
 )
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
@@ -226,6 +227,7 @@ def test_lora_models(scripted: ScriptedEngine, scripted_client: Any) -> None:
     [
         (EngineOverloaded("busy", retry_after=2.5), 429, "3"),
         (EngineUnavailable("down", retry_after=1.0), 503, "1"),
+        (KvLeaseExpired("the prefill's KV lease could end", retry_after=1.0), 503, "1"),
         (InvalidRequest("bad prompt"), 400, None),
         (EngineFailure("boom"), 500, None),
     ],

@@ -11,6 +11,7 @@ from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.multimodal import MediaConfig, MediaPreparer
+from rankgate.sidecar import DisaggConfig
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.mock_engine import MockEngineHandle, RankStats, running_mock_engine
@@ -18,6 +19,9 @@ from tests.support.ports import free_port, free_port_range
 
 MODEL = "tiny-llama"
 DP = 2
+# The tests' short prompts would be prefilled on the decode engine by the per-request choice;
+# most of them are about the remote path, so they pin it.
+REMOTE_PREFILLS = DisaggConfig(prefill_mode="remote")
 
 
 def engine_config(role: str, **overrides: Any) -> MockEngineConfig:
@@ -75,7 +79,7 @@ def gateway_url(pair: Pair, **settings: Any) -> Iterator[str]:
         decode_engine=pair.decode.target,
         tokenizer=str(TINY_TOKENIZER),
         startup_timeout=20.0,
-        **settings,
+        **{"disagg": REMOTE_PREFILLS, **settings},
     )
     with serve_app(create_app(config, media=MediaPreparer(MediaConfig()))) as url:
         yield url

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.admission import Admission, AdmissionConfig
-from rankgate.sidecar.config import SidecarConfig
+from rankgate.sidecar.config import DisaggConfig, SidecarConfig
 from rankgate.sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
@@ -40,6 +40,11 @@ from tests.support.mock_engine import running_mock_engine
 SLOW_PREFILL = {"prefill_seconds_per_token": 10e-3}
 
 
+def remote_pd(prefill: Sidecar, decode: Sidecar) -> DisaggregatedEngine:
+    """Every prompt prefilled on the prefill engine: the path these tests are about."""
+    return DisaggregatedEngine(prefill, decode, DisaggConfig(prefill_mode="remote"))
+
+
 def sidecar(endpoint: str, admission: Admission | None = None, **config: Any) -> Sidecar:
     settings: dict[str, Any] = {
         "endpoint": endpoint,
@@ -54,9 +59,7 @@ def sidecar(endpoint: str, admission: Admission | None = None, **config: Any) ->
 
 @asynccontextmanager
 async def disaggregated(pair: Pair, **config: Any) -> AsyncIterator[DisaggregatedEngine]:
-    engine = DisaggregatedEngine(
-        sidecar(pair.prefill.target), sidecar(pair.decode.target, **config)
-    )
+    engine = remote_pd(sidecar(pair.prefill.target), sidecar(pair.decode.target, **config))
     await engine.start()
     try:
         yield engine
@@ -145,7 +148,7 @@ async def test_a_prefill_that_finishes_as_its_client_leaves_has_its_kv_read_at_o
     with engine_pair(prefill=SLOW_PREFILL) as pair:
         prefill = sidecar(pair.prefill.target)
         monkeypatch.setattr(prefill, "abort", abort_lost)
-        engine = DisaggregatedEngine(prefill, sidecar(pair.decode.target))
+        engine = remote_pd(prefill, sidecar(pair.decode.target))
         await engine.start()
         try:
             await leave_during_prefill(engine, pair, "late")
@@ -166,14 +169,14 @@ async def test_a_finished_prefill_whose_kv_cannot_be_handed_off_is_logged(
     """The decode side is gone when the late prefill ends: its KV waits out the lease, the
     gateway says so, and nothing else fails (the client's cancellation stays a cancellation)."""
 
-    def gone(request: PreparedRequest) -> None:
+    def gone(request: PreparedRequest, trusted_until: float | None = None) -> None:
         raise EngineUnavailable("decode engine: not serving")
 
     with engine_pair(prefill=SLOW_PREFILL) as pair:
         prefill, decode = sidecar(pair.prefill.target), sidecar(pair.decode.target)
         monkeypatch.setattr(prefill, "abort", abort_lost)
         monkeypatch.setattr(decode, "hand_off_kv", gone)
-        engine = DisaggregatedEngine(prefill, decode)
+        engine = remote_pd(prefill, decode)
         await engine.start()
         try:
             await leave_during_prefill(engine, pair, "gone")
@@ -187,7 +190,7 @@ async def test_a_finished_prefill_whose_kv_cannot_be_handed_off_is_logged(
 async def test_a_prefill_cancelled_while_it_waits_for_a_slot_is_never_sent() -> None:
     with engine_pair(prefill=SLOW_PREFILL) as pair:
         one_slot = Admission(AdmissionConfig(per_rank=1))
-        engine = DisaggregatedEngine(
+        engine = remote_pd(
             sidecar(pair.prefill.target, admission=one_slot), sidecar(pair.decode.target)
         )
         await engine.start()
@@ -267,7 +270,7 @@ async def test_the_hand_off_drain_is_bounded_by_its_timeout() -> None:
 
 async def test_shutdown_pre_empts_the_hand_off_drain() -> None:
     with engine_pair(decode={"kv_transfer_seconds": 30.0}) as pair:
-        engine = DisaggregatedEngine(sidecar(pair.prefill.target), sidecar(pair.decode.target))
+        engine = remote_pd(sidecar(pair.prefill.target), sidecar(pair.decode.target))
         await engine.start()
         try:
             task = asyncio.ensure_future(consume(engine.generate(prepared("s")), []))
@@ -318,7 +321,7 @@ async def test_each_side_holds_an_admission_slot_only_while_its_phase_runs() -> 
     rng = random.Random(10)
     with engine_pair(decode={"kv_transfer_seconds": 0.5}) as pair:
         prefill, decode = sidecar(pair.prefill.target), sidecar(pair.decode.target)
-        engine = DisaggregatedEngine(prefill, decode)
+        engine = remote_pd(prefill, decode)
         await engine.start()
         try:
             assert engine.admission is decode.admission
@@ -355,7 +358,7 @@ async def test_startup_refuses_engines_serving_different_models() -> None:
         running_mock_engine(engine_config("prefill", model="model-a")) as prefill,
         running_mock_engine(engine_config("decode", model="model-b")) as decode,
     ):
-        engine = DisaggregatedEngine(sidecar(prefill.target), sidecar(decode.target))
+        engine = remote_pd(sidecar(prefill.target), sidecar(decode.target))
         with pytest.raises(DiscoveryError) as caught:
             await engine.start()
         assert "'model-a'" in caught.value.message
@@ -365,7 +368,7 @@ async def test_startup_refuses_engines_serving_different_models() -> None:
 
 async def test_startup_names_the_side_that_is_not_there() -> None:
     with running_mock_engine(engine_config("prefill")) as prefill:
-        engine = DisaggregatedEngine(
+        engine = remote_pd(
             sidecar(prefill.target),
             sidecar("127.0.0.1:9", startup_timeout=0.5),
         )

@@ -23,6 +23,7 @@ import pytest
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
+from rankgate.sidecar import DisaggConfig
 from rankgate.sidecar.admission import AdmissionConfig
 from tests.app.serving import serve_app
 from tests.multimodal.pictures import encode, noise
@@ -135,13 +136,18 @@ def settled_metrics(server: RealVllm) -> dict[str, float]:
             last = now
 
 
+# The tests' prompts are short, which the per-request choice would prefill on the decode
+# engine; the hand-off is what they check, so they pin remote prefills.
+REMOTE_PREFILLS = DisaggConfig(prefill_mode="remote")
+
+
 def gateway_for(pd: RealVllmPair, **settings: Any) -> Any:
     config = GatewaySettings(
         prefill_engine=pd.prefill.target,
         decode_engine=pd.decode.target,
         tokenizer=str(pd.decode.model_dir),
         startup_timeout=180.0,
-        **settings,
+        **{"disagg": REMOTE_PREFILLS, **settings},
     )
     return serve_app(create_app(config, media=MediaPreparer(MediaConfig())))
 

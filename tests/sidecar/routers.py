@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from rankgate.sidecar.routing.base import RouteDecision
+from rankgate.sidecar.routing.base import PrefillCost, RouteDecision
 from rankgate.sidecar.types import EngineInfo, PreparedRequest
 
 
@@ -45,6 +45,9 @@ class FixedRouter:
         ticket = Ticket(RouteDecision(rank=self.rank, policy="fixed"))
         self.tickets.append(ticket)
         return ticket
+
+    def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
+        return PrefillCost(len(request.prompt_token_ids), 0.0)
 
     def sent(self) -> None:
         return None

@@ -51,6 +51,8 @@ class RankStats:
     held_transfers: int
     transfers_released: int
     leases_expired: int
+    # Decode side: remote prefills read after their lease ended (answered from garbage).
+    expired_reads: int
     active: int
     waiting: int
     running: int
@@ -212,6 +214,7 @@ def _snapshot(engine: RankEngine) -> RankStats:
         held_transfers=len(engine.held),
         transfers_released=c.transfers_released,
         leases_expired=c.leases_expired,
+        expired_reads=c.expired_reads,
         active=engine.active,
         waiting=len(engine.waiting),
         running=len(engine.running),

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
 
-from rankgate.sidecar.routing.base import RouteDecision, RouteTicket
+from rankgate.sidecar.routing.base import PrefillCost, RouteDecision, RouteTicket
 from rankgate.sidecar.routing.load import UntrackedTicket
 from rankgate.sidecar.routing.metrics import RoutingMetrics
+from rankgate.sidecar.routing.policies.ranked import prompt_tokens
 from rankgate.sidecar.types import EngineInfo, PreparedRequest
 
 
@@ -32,6 +33,10 @@ class EngineRouter:
             )
         self._unpinned[0] += 1
         return UntrackedTicket(self._decision)
+
+    def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
+        """The whole prompt: this policy sees neither caches nor queues."""
+        return PrefillCost(prompt_tokens(request), 0.0)
 
     def sent(self) -> None:
         return None

@@ -42,7 +42,7 @@ from collections.abc import Set as AbstractSet
 from mypy_extensions import mypyc_attr
 
 from rankgate.sidecar.routing.affinity import AffinityTable
-from rankgate.sidecar.routing.base import RouteTicket
+from rankgate.sidecar.routing.base import PrefillCost, RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import PromptKeys, prompt_keys
 from rankgate.sidecar.routing.index import PredictedIndex
@@ -225,6 +225,17 @@ class KvRouter(RankedRouter):
             if watch is not None:
                 return WatchedTicket(ticket, regret, watch)
         return ticket
+
+    def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
+        """The rank where the uncached prompt plus the load already there is least."""
+        topology = self._require_topology()
+        keys = self.keys(request)
+        total = keys.prompt_tokens
+        cached = self._cached_tokens(keys.hashes, topology.block_size, total)
+        hit, load = min(
+            zip(cached, self.rank_loads(), strict=True), key=lambda pair: pair[1] - pair[0]
+        )
+        return PrefillCost(total - hit, load)
 
     def _affinity(
         self, request: PreparedRequest, cached: list[int], block: int, prompt_tokens: int

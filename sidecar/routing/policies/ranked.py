@@ -11,7 +11,7 @@ import msgspec
 from mypy_extensions import mypyc_attr
 
 from rankgate.sidecar.errors import EngineUnavailable
-from rankgate.sidecar.routing.base import RouteDecision, RouteTicket
+from rankgate.sidecar.routing.base import PrefillCost, RouteDecision, RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.load import LoadTracker
 from rankgate.sidecar.routing.metrics import RankCounts, RankSnapshot, RoutingMetrics
@@ -75,6 +75,23 @@ class RankedRouter:
         self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
     ) -> RouteTicket:
         raise NotImplementedError
+
+    def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
+        """The whole prompt (no cache view), on the least loaded rank."""
+        loads = self.rank_loads()
+        return PrefillCost(prompt_tokens(request), min(loads) if loads else 0.0)
+
+    def rank_loads(self) -> list[float]:
+        """Each slot's load in prompt tokens, weighed as the route weighs it: queued prefill
+        (``queue_weight``) and running sequences (``decode_weight`` per prefill weight)."""
+        load = self.load
+        load.sync()
+        config = self.config
+        wq, wd = config.queue_weight, config.decode_weight / config.prefill_weight
+        return [
+            wq * queued + wd * decoding
+            for queued, decoding in zip(load.prefill_tokens, load.decode_tokens, strict=True)
+        ]
 
     def sent(self) -> None:
         return None
