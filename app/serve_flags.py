@@ -11,7 +11,7 @@ from rankgate.app.auth import API_KEY_ENV
 from rankgate.app.flags import Flag, comma_list, on_off
 from rankgate.app.respond.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSERS
 from rankgate.app.routing_flags import ROUTING_FLAGS
-from rankgate.sidecar import PREFILL_MODES
+from rankgate.sidecar import DisaggConfig
 
 POLICIES = ("kv", "load", "round_robin", "engine")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -73,7 +73,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "disaggregated serving: where each prompt is prefilled: auto decides per request "
         "from both engines' caches and queues, remote always uses the prefill engine, local "
         "always the decode engine (default: %(default)s)",
-        choices=PREFILL_MODES,
+        choices=DisaggConfig.MODES,
     ),
     Flag(
         "--pd-local-prefill-tokens",

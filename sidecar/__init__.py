@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rankgate.sidecar.admission import GROUP as ADMISSION_GROUP
     from rankgate.sidecar.admission import Admission, AdmissionConfig
-    from rankgate.sidecar.config import PREFILL_MODES, DisaggConfig, SidecarConfig
+    from rankgate.sidecar.config import DisaggConfig, SidecarConfig
     from rankgate.sidecar.disagg import DisaggregatedEngine, routing_for
     from rankgate.sidecar.disagg_metrics import DisaggMetrics
     from rankgate.sidecar.engine import Sidecar
@@ -61,7 +61,6 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AdmissionConfig": ("admission", "AdmissionConfig"),
     "SidecarConfig": ("config", "SidecarConfig"),
     "DisaggConfig": ("config", "DisaggConfig"),
-    "PREFILL_MODES": ("config", "PREFILL_MODES"),
     "DisaggMetrics": ("disagg_metrics", "DisaggMetrics"),
     "DisaggregatedEngine": ("disagg", "DisaggregatedEngine"),
     "merge_batch": ("fan_in", "merge_batch"),
@@ -101,7 +100,6 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "ADMISSION_GROUP",
-    "PREFILL_MODES",
     "Admission",
     "AdmissionConfig",
     "BadEngineResponse",

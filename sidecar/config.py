@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -66,6 +66,8 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True):
     (vLLM's ``kv_lease_duration``): a decode that has not produced its first token by then,
     less a margin (:attr:`trust_window`), is not answered from that KV.
     """
+
+    MODES: ClassVar[tuple[PrefillMode, ...]] = PREFILL_MODES
 
     prefill_mode: PrefillMode = "auto"
     local_prefill_tokens: int = 256

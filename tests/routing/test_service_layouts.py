@@ -101,7 +101,14 @@ def test_prefill_and_decode_work_under_either_layout(layout: GrpcServices) -> No
         prefill = stack.enter_context(mock(layout, "prefill"))
         decode = stack.enter_context(mock(layout, "decode"))
         url = stack.enter_context(
-            serve("--prefill-engine", prefill.target, "--decode-engine", decode.target)
+            serve(
+                "--prefill-engine",
+                prefill.target,
+                "--decode-engine",
+                decode.target,
+                "--pd-prefill",
+                "remote",
+            )
         )
         http = stack.enter_context(httpx.Client(base_url=url, timeout=60))
         body = chat(http, "split the work, please").json()
