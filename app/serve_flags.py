@@ -97,6 +97,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         float,
     ),
     Flag(
+        "--pd-seed-first-token",
+        "disagg.seed_first_token",
+        "disaggregated serving: sample the remote prefill's token as the client asked and "
+        "stream it as the first token before the decode starts (default: on)",
+        on_off,
+    ),
+    Flag(
         "--prefill-kv-lease",
         "disagg.kv_lease",
         "seconds the prefill engine holds a finished prefill's KV for its decode (vLLM's "

@@ -62,6 +62,9 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True):
     its rank), cost less than the prefill side's uncached and queued tokens plus the
     transfer (``transfer_token_cost`` per token pulled).
 
+    ``seed_first_token`` sends a streaming client the remote prefill's token (sampled as the
+    client asked) as its first, before the decode starts (``sidecar.pd_seed``).
+
     ``kv_lease`` is how long the prefill engine keeps a finished prefill's KV for its decode
     (vLLM's ``kv_lease_duration``): a decode that has not produced its first token by then,
     less a margin (:attr:`trust_window`), is not answered from that KV.
@@ -74,6 +77,7 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True):
     local_prefill_weight: float = 2.0
     transfer_token_cost: float = 0.1
     kv_lease: float = 30.0
+    seed_first_token: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in PREFILL_MODES:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from rankgate.sidecar import pd_seed
 from rankgate.sidecar.admission import Admission
 from rankgate.sidecar.config import DisaggConfig
 from rankgate.sidecar.disagg_metrics import DisaggMetrics
@@ -80,6 +81,8 @@ class Prefilled(msgspec.Struct, frozen=True):
     expanded: int
     expanded_ids: tuple[int, ...]
     finished_at: float
+    # The prefill's last delta, with its sampled token when it was sampled for the client.
+    last: Delta
 
 
 def routing_for(base: RoutingConfig) -> RoutingConfig:
@@ -284,9 +287,12 @@ class DisaggregatedEngine:
 
     async def _remote(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
         decode = request
+        # Seeding shows a streaming client its first token early; a whole answer gains
+        # nothing from it.
+        seed = self._config.seed_first_token and request.stream
         # The prefill runs in a task of its own: a client that leaves mid-prefill must not
         # cut it off unseen (see _settle_prefill).
-        outcome = asyncio.ensure_future(self._run_prefill(decode))
+        outcome = asyncio.ensure_future(self._run_prefill(decode, seed))
         try:
             prefilled = await asyncio.shield(outcome)
         except BaseException:
@@ -297,28 +303,61 @@ class DisaggregatedEngine:
             yield prefilled
             return
         trusted_until = prefilled.finished_at + self._config.trust_window
+        seeded: Delta | None = None
+        if seed:
+            seeded = prefilled.last
+            if pd_seed.ends_answer(seeded, request):
+                # The first token is the whole answer; the decode side still reads the KV
+                # (and drops it), so the prefill engine frees it now.
+                self._metrics.seeded.labels("whole_answer").inc()
+                self._hand_off(_decode_request(decode, prefilled), trusted_until)
+                whole = pd_seed.answer(seeded)
+                whole.index = choice
+                yield whole
+                return
+            self._metrics.seeded.labels("first_token").inc()
+            first = pd_seed.opening(seeded)
+            first.index = choice
+            yield first
         stream = self._decode.generate(
             _decode_request(decode, prefilled), decode_handoff=True, trusted_until=trusted_until
         )
         try:
-            first = await self._first_in_trust(stream, decode.request_id, prefilled)
-            if first is None:
+            head = await self._first_in_trust(stream, decode.request_id, prefilled)
+            if head is None:
                 # Not answered from KV that may be gone: the decode engine prefills it anew.
                 await stream.aclose()
                 again = msgspec.structs.replace(decode, request_id=f"{decode.request_id}.local")
                 stream = self._local(again, 0)
-                first = await anext(stream, None)
-                if first is None:
-                    return
-            if choice:
-                first.index = choice
-            yield first
+            else:
+                stream = _chained(head, stream)
+            if seeded is not None:
+                stream = pd_seed.after_seed(stream, seeded, self._seed_mismatch(request))
             async for delta in stream:
                 if choice:
                     delta.index = choice
                 yield delta
         finally:
             await stream.aclose()
+
+    def _seed_mismatch(self, request: PreparedRequest) -> Callable[[int, int], None]:
+        def mismatch(seeded: int, decoded: int) -> None:
+            self._metrics.seeded.labels("mismatch").inc()
+            log.warning(
+                "the decode of %s sampled token %d first where its prefill sampled %d; the "
+                "client has the prefill's",
+                request.request_id,
+                decoded,
+                seeded,
+            )
+
+        return mismatch
+
+    def _hand_off(self, decode: PreparedRequest, trusted_until: float) -> None:
+        try:
+            self._decode.hand_off_kv(decode, trusted_until)
+        except SidecarError as error:  # the KV then waits out its lease: say so
+            log.warning("could not hand off the KV of %s: %s", decode.request_id, error.message)
 
     async def _first_in_trust(
         self, stream: AsyncGenerator[Delta, None], request_id: str, prefilled: Prefilled
@@ -416,28 +455,25 @@ class DisaggregatedEngine:
         prefilled = outcome.result()
         if isinstance(prefilled, Delta):
             return
-        try:
-            self._decode.hand_off_kv(
-                _decode_request(decode, prefilled),
-                prefilled.finished_at + self._config.trust_window,
-            )
-        except SidecarError as error:  # the KV then waits out its lease: say so
-            log.warning(
-                "could not hand off the KV of %s after its client left: %s",
-                decode.request_id,
-                error.message,
-            )
+        self._hand_off(
+            _decode_request(decode, prefilled), prefilled.finished_at + self._config.trust_window
+        )
 
-    async def _run_prefill(self, request: PreparedRequest) -> Prefilled | Delta:
+    async def _run_prefill(self, request: PreparedRequest, seed: bool) -> Prefilled | Delta:
         """Run the one-token prefill; its transfer params and expanded prompt length, or the
-        finishing delta to hand the client when the prefill was aborted engine-side."""
+        finishing delta to hand the client when the prefill was aborted engine-side. With
+        ``seed`` its token is sampled as the client asked, to be the client's first."""
+        output = _PREFILL_OUTPUT_WITH_IDS if request.media else _PREFILL_OUTPUT
+        if seed:
+            output = msgspec.structs.replace(request.output, prompt_token_ids=bool(request.media))
         prefill = PreparedRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             prompt_text=request.prompt_text,
-            sampling=_PREFILL_SAMPLING,
-            stopping=_PREFILL_STOPPING,
-            output=_PREFILL_OUTPUT_WITH_IDS if request.media else _PREFILL_OUTPUT,
+            sampling=request.sampling if seed else _PREFILL_SAMPLING,
+            stopping=pd_seed.prefill_stopping(request) if seed else _PREFILL_STOPPING,
+            structured=request.structured if seed else None,
+            output=output,
             cache_salt=request.cache_salt,
             priority=request.priority,
             lora_name=request.lora_name,
@@ -473,7 +509,16 @@ class DisaggregatedEngine:
                 "kv_transfer_params, so there is no KV for a decode engine to pull; check that "
                 "it runs with a KV connector (kv_role kv_producer or kv_both)"
             )
-        return Prefilled(params, expanded, expanded_ids, time.monotonic())
+        return Prefilled(params, expanded, expanded_ids, time.monotonic(), last)
+
+
+async def _chained(head: Delta, rest: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+    try:
+        yield head
+        async for delta in rest:
+            yield delta
+    finally:
+        await rest.aclose()
 
 
 def _side_info(sidecar: Sidecar, side: str) -> EngineInfo:

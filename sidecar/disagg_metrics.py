@@ -30,6 +30,14 @@ class DisaggMetrics:
             ["stage"],
             registry=registry,
         )
+        self.seeded = Counter(
+            "rankgate_pd_first_token_seeded",
+            "Remote prefills whose sampled token the client got as its first (first_token), "
+            "or as its whole answer (whole_answer: a stop or max_tokens 1); mismatch counts "
+            "decodes whose own first token differed from it.",
+            ["outcome"],
+            registry=registry,
+        )
         self.kv_wait = Histogram(
             "rankgate_pd_kv_wait_seconds",
             "Seconds from a prefill finishing to its decode's first token (the KV was read "

@@ -53,7 +53,13 @@ class RealEngines:
 
 # The real engines besides the tiny Llama, in the order their tests run (after all others),
 # each with the parametrized fixtures whose "real" case stands for it.
-LATER_REAL_ENGINES = (("real_llava", "image_engine"), ("real_pd", "pd_pair"))
+LATER_REAL_ENGINES = (
+    ("real_llava", "image_engine"),
+    ("real_pd", "pd_pair"),
+    ("real_pd_short_lease", "pd_short_lease"),
+)
+# The prefill engine's KV lease (seconds) of the pair that tests what happens when it ends.
+SHORT_KV_LEASE = 4
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -220,3 +226,26 @@ def engine_channel(engine: EngineUnderTest) -> Iterator[grpc.Channel]:
     )
     yield channel
     channel.close()
+
+
+@pytest.fixture(scope="session")
+def real_pd_short_lease(real_engines: RealEngines) -> RealVllmPair:
+    """A real prefill/decode pair (the tiny Llama) whose prefill engine holds a finished
+    prefill's KV for only ``SHORT_KV_LEASE`` seconds."""
+    import os
+
+    from tests.support.real_vllm import start_real_vllm_pair
+
+    cpus = sorted(os.sched_getaffinity(0))
+    return real_engines.get(
+        "pd_short_lease",
+        lambda: start_real_vllm_pair(
+            block_size=CONFORMANCE_BLOCK,
+            model="llama",
+            dev_endpoints=True,
+            cpus=str(cpus[0]),
+            decode_cpus=str(cpus[-1]),
+            eager=True,
+            kv_lease=SHORT_KV_LEASE,
+        ),
+    )

@@ -27,9 +27,13 @@ from rankgate.sidecar import DisaggConfig
 from rankgate.sidecar.admission import AdmissionConfig
 from tests.app.serving import serve_app
 from tests.multimodal.pictures import encode, noise
+from tests.support.metrics import metric_total
 from tests.support.polling import wait_until, wait_until_or_not
 from tests.support.real_vllm import KV_LEASE_S, LEASE_ENDED, RealVllm, RealVllmPair
 from tests.support.stalls import RERUN_ON_STALLS, answered_in_time, judge_lease_wait
+
+SEEDED = "rankgate_pd_first_token_seeded_total"
+PREFILLS = "rankgate_pd_prefills_total"
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600), RERUN_ON_STALLS]
 
@@ -451,3 +455,73 @@ async def test_hang_up_after_the_first_token(gateway: httpx.Client, real_pd: Rea
     # The decode was aborted, not run to its 1500 tokens.
     log = real_pd.decode.log_path.read_text(errors="replace")
     assert "aborting request due to dropped stream" in log
+
+
+def stream_choices(url: str, payload: dict[str, Any]) -> dict[int, tuple[str, list[Any]]]:
+    """Per choice of a streamed chat answer: its text and its tokens' logprobs entries."""
+    import orjson
+
+    out: dict[int, tuple[str, list[Any]]] = {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=120) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in orjson.loads(line[6:]).get("choices", ()):
+                text, logprobs = out.get(choice["index"], ("", []))
+                text += choice["delta"].get("content") or ""
+                logprobs += (choice.get("logprobs") or {}).get("content") or []
+                out[choice["index"]] = (text, logprobs)
+    return out
+
+
+def test_seeded_streams_are_what_the_decode_engine_answers_alone(real_pd: RealVllmPair) -> None:
+    """The client's first token is the prefill's, sampled as the client asked; the stream is
+    token for token the decode engine's own answer to the whole request (greedy, seeded
+    sampling with logprobs, n > 1)."""
+    model = real_pd.decode.served_model_name
+    cases: list[dict[str, Any]] = [
+        {},
+        {"temperature": 1.0, "seed": 5, "logprobs": True, "top_logprobs": 2},
+        {"temperature": 0.9, "top_p": 0.95, "seed": 3, "n": 2},
+    ]
+    alone = DisaggConfig(prefill_mode="local")
+    with gateway_for(real_pd, disagg=alone) as local, gateway_for(real_pd) as seeded:
+        for fields in cases:
+            payload = body(model, unique_text(), stream=True, max_tokens=12, **fields)
+            assert stream_choices(seeded, payload) == stream_choices(local, payload), fields
+        with httpx.Client(base_url=seeded) as client:
+            assert metric_total(client, SEEDED, outcome="first_token") == 4
+            assert metric_total(client, SEEDED, outcome="mismatch") == 0
+
+
+def test_short_prompts_skip_the_transfer_and_long_ones_take_it(real_pd: RealVllmPair) -> None:
+    model = real_pd.decode.served_model_name
+    with gateway_for(real_pd, disagg=DisaggConfig()) as url:
+        client = httpx.Client(base_url=url, timeout=120)
+        prefill_before = settled_metrics(real_pd.prefill)
+        decode_before = settled_metrics(real_pd.decode)
+        short = post(client, body(model, unique_text(20))).json()["usage"]["prompt_tokens"]
+        assert short < 256
+        prefill_after = settled_metrics(real_pd.prefill)
+        decode_after = settled_metrics(real_pd.decode)
+        # The decode engine prefilled it itself: no prefill, no KV pulled.
+        assert prefill_after["prompt_tokens_total"] == prefill_before["prompt_tokens_total"]
+        assert decode_after["prompt_tokens_total"] - decode_before["prompt_tokens_total"] == short
+        assert (
+            decode_after["external_prefix_cache_hits_total"]
+            == decode_before["external_prefix_cache_hits_total"]
+        )
+        long = post(client, body(model, unique_text(300))).json()["usage"]["prompt_tokens"]
+        assert long > 256
+        prefill_last = settled_metrics(real_pd.prefill)
+        decode_last = settled_metrics(real_pd.decode)
+        assert prefill_last["prompt_tokens_total"] - prefill_after["prompt_tokens_total"] == long
+        assert (
+            decode_last["external_prefix_cache_hits_total"]
+            - decode_after["external_prefix_cache_hits_total"]
+            == long
+        )
+        assert metric_total(client, PREFILLS, where="local", reason="short") == 1
+        assert metric_total(client, PREFILLS, where="remote", reason="cheaper") == 1
+        client.close()

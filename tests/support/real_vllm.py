@@ -353,6 +353,7 @@ def start_real_vllm_pair(
     cpus: str | None = None,
     eager: bool = False,
     decode_cpus: str | None = None,
+    kv_lease: int | None = None,
 ) -> Iterator[RealVllmPair]:
     """Serve a prefill engine and a decode engine (DP=1 each, KV events on, NIXL between them
     over loopback) for the ``with`` block; skip or fail if impossible."""
@@ -367,6 +368,8 @@ def start_real_vllm_pair(
     argv += _engine_options(model, block_size, max_model_len, dev_endpoints, nice, cpus, eager)
     if decode_cpus:
         argv += ["--decode-cpus", decode_cpus]
+    if kv_lease is not None:
+        argv += ["--kv-lease", str(kv_lease)]
     with _serving(argv, "prefill") as endpoints:
         prefill, decode = _engine(endpoints["prefill"]), _engine(endpoints["decode"])
         took = _first_hand_off(prefill, decode)
