@@ -315,10 +315,14 @@ class DisaggregatedEngine:
                 whole.index = choice
                 yield whole
                 return
-            self._metrics.seeded.labels("first_token").inc()
-            first = pd_seed.opening(seeded)
-            first.index = choice
-            yield first
+            if pd_seed.held_back(seeded):
+                self._metrics.seeded.labels("held_back").inc()
+                seeded = None
+            else:
+                self._metrics.seeded.labels("first_token").inc()
+                first = pd_seed.opening(seeded)
+                first.index = choice
+                yield first
         stream = self._decode.generate(
             _decode_request(decode, prefilled), decode_handoff=True, trusted_until=trusted_until
         )

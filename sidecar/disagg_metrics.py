@@ -33,8 +33,9 @@ class DisaggMetrics:
         self.seeded = Counter(
             "rankgate_pd_first_token_seeded",
             "Remote prefills whose sampled token the client got as its first (first_token), "
-            "or as its whole answer (whole_answer: a stop or max_tokens 1); mismatch counts "
-            "decodes whose own first token differed from it.",
+            "or as its whole answer (whole_answer: a stop or max_tokens 1); held_back: not "
+            "sent early, its text ending inside a character; mismatch counts decodes whose "
+            "own first token differed from it.",
             ["outcome"],
             registry=registry,
         )

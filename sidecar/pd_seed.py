@@ -11,7 +11,9 @@ KV and recomputes the last prompt position, so it samples that first token again
 same KV, with the same generator) and its first token is taken out of its stream: the rest
 follows from the KV it read, draw for draw, as the aggregated path's would. A decode whose
 first token differs from the seeded one (logits that differ in their last bits between a
-batched prefill and a one-token step, at a near tie) is counted; its stream goes on.
+batched prefill and a one-token step, at a near tie) is counted; its stream goes on. A first
+token that ends inside a UTF-8 character is not seeded: alone it reads as U+FFFD, while the
+stream shows the character once the next token completes it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def prefill_stopping(request: PreparedRequest) -> StoppingParams:
 def ends_answer(first: Delta, request: PreparedRequest) -> bool:
     """Whether the prefill's token is the whole answer (a stop, or ``max_tokens`` 1)."""
     return first.finish_reason == "stop" or request.stopping.max_tokens <= 1
+
+
+def held_back(prefilled: Delta) -> bool:
+    """Whether the token's text is not final on its own: it ends inside a character (the
+    engine writes U+FFFD for the bytes so far), and the stream would show that character only
+    with the next token. Such a token is not seeded; the decode's stream goes out whole."""
+    return prefilled.text.endswith("\ufffd")
 
 
 def opening(prefilled: Delta) -> Delta:

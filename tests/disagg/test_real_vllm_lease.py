@@ -26,9 +26,19 @@ from tests.conftest import SHORT_KV_LEASE
 from tests.disagg.test_real_vllm_pd import body, gateway_for, metrics, unique_text
 from tests.support.metrics import metric_total
 from tests.support.polling import wait_until
-from tests.support.real_vllm import RealVllmPair
+from tests.support.real_vllm import LEASE_ENDED, RealVllm, RealVllmPair
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
+
+
+def lease_ended_unread(server: RealVllm, request_id: str) -> bool:
+    """Whether the engine logged the end of a lease on KV of the gateway request
+    ``request_id`` (its engine ids extend it) that no decode had read."""
+    text = server.log_path.read_text(errors="replace")
+    return any(
+        f"{LEASE_ENDED}{request_id}-" in line and "retrieved by 0 " in line
+        for line in text.splitlines()
+    )
 
 
 def ask(url: str, payload: dict[str, Any]) -> httpx.Response:
@@ -60,7 +70,7 @@ def test_a_decode_that_misses_the_lease_is_prefilled_again_on_the_decode_engine(
             )
             # The prefill engine ends the lease with the KV read by no decode.
             wait_until(
-                lambda: pd.prefill.lease_reads(payload["request_id"]) == [0],
+                lambda: lease_ended_unread(pd.prefill, payload["request_id"]),
                 SHORT_KV_LEASE + 30.0,
                 "the prefill engine ending the lease",
             )
