@@ -19,10 +19,11 @@ def serve_worker(
     settings: GatewaySettings,
     sockets: list[socket.socket] | None = None,
     shared_load: SharedLoadBoard | None = None,
+    prefill_load: SharedLoadBoard | None = None,
 ) -> int:
-    """Serve until shut down; ``sockets`` and ``shared_load`` come from the ``--workers``
+    """Serve until shut down; ``sockets`` and the load boards come from the ``--workers``
     supervisor (:mod:`app.workers`). The exit status: 1 when startup failed."""
-    app = create_app(settings, shared_load=shared_load)
+    app = create_app(settings, shared_load=shared_load, prefill_load=prefill_load)
     config = uvicorn_config(
         app,
         settings.connections,

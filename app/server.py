@@ -37,7 +37,13 @@ from rankgate.app.schemas.openapi import install_openapi
 from rankgate.app.settings import GatewaySettings
 from rankgate.app.shutdown import Shutdown
 from rankgate.multimodal import MediaPreparer
-from rankgate.sidecar import Admission, EngineInfo, SharedLoadBoard, SidecarError
+from rankgate.sidecar import (
+    Admission,
+    EngineInfo,
+    SharedLoadBoard,
+    SidecarError,
+    routing_metrics,
+)
 
 if TYPE_CHECKING:
     from rankgate.app.tracing import Tracing
@@ -52,16 +58,20 @@ def create_app(
     engine: Engine | None = None,
     media: MediaHook | None = None,
     shared_load: SharedLoadBoard | None = None,
+    prefill_load: SharedLoadBoard | None = None,
     tracing: Tracing | None = None,
 ) -> FastAPI:
     """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here.
 
-    ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1);
+    ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1), and
+    ``prefill_load`` of the prefill engine's under disaggregated serving;
     ``tracing`` replaces the OTLP tracer that ``otlp_traces_endpoint`` would build.
     """
     if tracing is None and settings.otlp_traces_endpoint:
         tracing = _tracing(settings.otlp_traces_endpoint)
     registry = CollectorRegistry()
+    # Under disaggregated serving every routing series says which side's rank it is about.
+    routing_metrics(registry, sided=settings.split_serving)
     shutdown = Shutdown(settings.shutdown_grace)
     options = ServingOptions(
         tokenizer=settings.tokenizer,
@@ -81,7 +91,9 @@ def create_app(
                     locate_tokenizer(settings.tokenizer, "")
                 serving = engine
                 if serving is None:
-                    serving = await _start_sidecar(settings, registry, options, stack, shared_load)
+                    serving = await _start_sidecar(
+                        settings, registry, options, stack, shared_load, prefill_load
+                    )
                 hook = media
                 if hook is None:
                     preparer = MediaPreparer(settings.media)
@@ -164,6 +176,7 @@ async def _start_sidecar(
     options: ServingOptions,
     stack: AsyncExitStack,
     shared_load: SharedLoadBoard | None,
+    prefill_load: SharedLoadBoard | None = None,
 ) -> Engine:
     from rankgate.sidecar import DisaggMetrics, DisaggregatedEngine, build_router, routing_for
 
@@ -171,12 +184,10 @@ async def _start_sidecar(
     routing = settings.routing_config()
     serving: Sidecar | DisaggregatedEngine
     if settings.prefill_engine is not None and settings.decode_engine is not None:
-        # Each side has its own router. Only the decode side's routing metrics are exported
-        # and shared between workers: both sides' ranks would share the same labels and
-        # load-board slots.
+        # Each side has its own router, load board and ``side`` label (rank ids repeat).
         routing = routing_for(routing)
-        prefill = build_router(routing, CollectorRegistry())
-        decode = build_router(routing, registry, shared_load)
+        prefill = build_router(routing, registry, prefill_load, side="prefill")
+        decode = build_router(routing, registry, shared_load, side="decode")
         serving = DisaggregatedEngine(
             _sidecar(settings, settings.prefill_engine, prefill),
             _sidecar(settings, settings.decode_engine, decode),

@@ -87,19 +87,26 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def worker_main(
-    settings: GatewaySettings, worker: int, sock: socket.socket, board_name: str
+    settings: GatewaySettings, worker: int, sock: socket.socket, board_names: tuple[str, ...]
 ) -> None:
-    """A worker process: one gateway on the supervisor's socket and its row of the board."""
+    """A worker process: one gateway on the supervisor's socket and its row of each board
+    (the engine's, then under disaggregated serving the prefill engine's)."""
     # A sibling's scrape may ask for this worker's metrics before its loop can answer.
     signal.signal(FLUSH_SIGNAL, signal.SIG_IGN)
     from rankgate.app.process import serve_worker
 
     configure_logging(settings.log_level, settings.log_format)
-    board = SharedLoadBoard.attach(board_name, settings.workers, worker)
+    boards = [SharedLoadBoard.attach(name, settings.workers, worker) for name in board_names]
     try:
-        code = serve_worker(settings, sockets=[sock], shared_load=board)
+        code = serve_worker(
+            settings,
+            sockets=[sock],
+            shared_load=boards[0],
+            prefill_load=boards[1] if len(boards) > 1 else None,
+        )
     finally:
-        board.close()
+        for board in boards:
+            board.close()
     sys.exit(0 if code == 0 else STARTUP_FAILED)
 
 
@@ -130,12 +137,16 @@ class Supervisor:
         settings: GatewaySettings,
         sock: socket.socket,
         board: SharedLoadBoard,
-        target: Callable[[GatewaySettings, int, socket.socket, str], None] = worker_main,
+        target: Callable[[GatewaySettings, int, socket.socket, tuple[str, ...]], None] = (
+            worker_main
+        ),
         start_method: Literal["spawn", "forkserver"] = "spawn",
+        prefill_board: SharedLoadBoard | None = None,
     ):
         self.settings = settings
         self.sock = sock
-        self.board = board
+        # The engine's board, then the prefill engine's under disaggregated serving.
+        self.boards = [board] if prefill_board is None else [board, prefill_board]
         self.slots = [_Slot(i) for i in range(settings.workers)]
         self.stopping = False
         self.failed = False
@@ -155,7 +166,7 @@ class Supervisor:
     def start(self, slot: _Slot) -> None:
         process = self._context.Process(
             target=self._target,
-            args=(self.settings, slot.index, self.sock, self.board.name),
+            args=(self.settings, slot.index, self.sock, tuple(b.name for b in self.boards)),
             name=f"rankgate-worker-{slot.index}",
         )
         process.start()
@@ -258,7 +269,8 @@ class Supervisor:
         """Forget a worker that exited; its exit status."""
         code = process.exitcode if process.exitcode is not None else -1
         slot.process = None
-        self.board.clear(slot.index)
+        for board in self.boards:
+            board.clear(slot.index)
         if process.pid is not None:
             _mark_dead(process.pid)
         process.close()
@@ -317,9 +329,11 @@ def run_workers(settings: GatewaySettings) -> int:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return 1
     board = SharedLoadBoard.create(settings.workers)
+    # Under disaggregated serving the prefill engine's ranks have a board of their own.
+    prefill_board = SharedLoadBoard.create(settings.workers) if settings.split_serving else None
     try:
         with _metrics_directory(), demo_engines(settings) as serving:
-            supervisor = Supervisor(serving, sock, board)
+            supervisor = Supervisor(serving, sock, board, prefill_board=prefill_board)
             previous = {
                 sig: signal.signal(sig, _handler(supervisor))
                 for sig in (signal.SIGTERM, signal.SIGINT)
@@ -333,6 +347,8 @@ def run_workers(settings: GatewaySettings) -> int:
                 supervisor.close()
     finally:
         board.close()
+        if prefill_board is not None:
+            prefill_board.close()
         sock.close()
 
 

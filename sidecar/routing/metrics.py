@@ -9,6 +9,7 @@ hot paths pay nothing for them.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -40,45 +41,75 @@ class RankSnapshot(msgspec.Struct, frozen=True, gc=False):
     decode_tokens: int
 
 
+class _Sided:
+    """One side's handle on a collector whose last label is the side (disaggregated
+    serving: the prefill engine's ranks and the decode engine's share the same ids)."""
+
+    __slots__ = ("_family", "_side")
+
+    def __init__(self, family: Counter | Gauge, side: str) -> None:
+        self._family = family
+        self._side = side
+
+    def labels(self, *values: str) -> Any:
+        return self._family.labels(*values, self._side)
+
+    def inc(self, amount: float = 1) -> None:
+        self._family.labels(self._side).inc(amount)
+
+    def set(self, value: float) -> None:
+        gauge = self._family.labels(self._side)
+        assert isinstance(gauge, Gauge)
+        gauge.set(value)
+
+
+CounterLike = Counter | _Sided
+GaugeLike = Gauge | _Sided
+
+
 class _ViewCollector(Collector):
-    def __init__(self) -> None:
-        self.view: Callable[[], Iterable[RankSnapshot]] | None = None
+    def __init__(self, sided: bool) -> None:
+        self.sided = sided
+        # Each side's active router's per-rank snapshot ("" without sides).
+        self.views: dict[str, Callable[[], Iterable[RankSnapshot]] | None] = {}
 
     def collect(self) -> Iterator[Metric]:
+        side = ["side"] if self.sided else []
         index = GaugeMetricFamily(
             "rankgate_routing_index_blocks",
             "Blocks each rank holds according to its KV events, by medium.",
-            labels=["rank", "medium"],
+            labels=["rank", "medium", *side],
         )
         predicted = GaugeMetricFamily(
             "rankgate_routing_predicted_blocks",
             "Blocks each rank is predicted to hold from recent routing decisions.",
-            labels=["rank"],
+            labels=["rank", *side],
         )
         in_flight = GaugeMetricFamily(
             "rankgate_routing_in_flight_requests",
             "Requests routed to each rank and not finished yet.",
-            labels=["rank"],
+            labels=["rank", *side],
         )
         pending = GaugeMetricFamily(
             "rankgate_routing_pending_prefill_tokens",
             "Uncached prompt tokens routed to each rank that are still waiting for prefill.",
-            labels=["rank"],
+            labels=["rank", *side],
         )
         decode = GaugeMetricFamily(
             "rankgate_routing_decode_tokens",
             "Prompt tokens held by each rank's requests past their first token.",
-            labels=["rank"],
+            labels=["rank", *side],
         )
-        view = self.view
-        for snap in view() if view is not None else ():
-            rank = str(snap.rank)
-            index.add_metric([rank, "device"], snap.device_blocks)
-            index.add_metric([rank, "offloaded"], snap.offloaded_blocks)
-            predicted.add_metric([rank], snap.predicted_blocks)
-            in_flight.add_metric([rank], snap.in_flight)
-            pending.add_metric([rank], snap.prefill_tokens)
-            decode.add_metric([rank], snap.decode_tokens)
+        for name, view in list(self.views.items()):
+            tail = [name] if self.sided else []
+            for snap in view() if view is not None else ():
+                rank = str(snap.rank)
+                index.add_metric([rank, "device", *tail], snap.device_blocks)
+                index.add_metric([rank, "offloaded", *tail], snap.offloaded_blocks)
+                predicted.add_metric([rank, *tail], snap.predicted_blocks)
+                in_flight.add_metric([rank, *tail], snap.in_flight)
+                pending.add_metric([rank, *tail], snap.prefill_tokens)
+                decode.add_metric([rank, *tail], snap.decode_tokens)
         yield from (index, predicted, in_flight, pending, decode)
 
 
@@ -95,40 +126,60 @@ class RankCounts:
 
 class RouteTally(Collector):
     """Routed requests by policy and rank, their prompt and cached tokens by rank, and the
-    cached share of each prompt, as plain numbers counted from the event loop."""
+    cached share of each prompt, as plain numbers counted from the event loop.
 
-    def __init__(self) -> None:
-        # (policy, rank) -> [requests, created]; rank -> [tokens, created]
-        self.routed: dict[tuple[str, str], list[float]] = {}
-        self.prompt: dict[str, list[float]] = {}
-        self.cached: dict[str, list[float]] = {}
-        self.ratio = PlainHistogram(RATIO_BUCKETS)
+    With ``sided`` (disaggregated serving) every series also carries the side; each side's
+    router counts through its own handle (:meth:`for_side`) on the same numbers.
+    """
+
+    def __init__(self, sided: bool = False) -> None:
+        self.sided = sided
+        self.side = ""
+        # (side, policy, rank) -> [requests, created]; (side, rank) -> [tokens, created]
+        self.routed: dict[tuple[str, str, str], list[float]] = {}
+        self.prompt: dict[tuple[str, str], list[float]] = {}
+        self.cached: dict[tuple[str, str], list[float]] = {}
+        self.ratios: dict[str, PlainHistogram] = {"": PlainHistogram(RATIO_BUCKETS)}
+
+    def for_side(self, side: str) -> RouteTally:
+        """A handle counting as ``side`` into the same numbers."""
+        handle = copy.copy(self)
+        handle.side = side
+        self.ratios.setdefault(side, PlainHistogram(RATIO_BUCKETS))
+        return handle
+
+    @property
+    def ratio(self) -> PlainHistogram:
+        return self.ratios[self.side]
 
     def bind(self, policy: str, rank: str) -> RankCounts:
         """The series of ``(policy, rank)``, shown (at 0) from now on."""
         now = time.time()
+        side = self.side
         return RankCounts(
-            self.routed.setdefault((policy, rank), [0, now]),
-            self.prompt.setdefault(rank, [0, now]),
-            self.cached.setdefault(rank, [0, now]),
+            self.routed.setdefault((side, policy, rank), [0, now]),
+            self.prompt.setdefault((side, rank), [0, now]),
+            self.cached.setdefault((side, rank), [0, now]),
         )
 
     def count(self, policy: str, rank: str) -> None:
         """One request routed by a policy that neither chose nor measured a prefix."""
-        series = self.routed.get((policy, rank))
+        key = (self.side, policy, rank)
+        series = self.routed.get(key)
         if series is None:
-            series = self.routed[(policy, rank)] = [0, time.time()]
+            series = self.routed[key] = [0, time.time()]
         series[0] += 1
 
     def collect(self) -> Iterator[Metric]:
+        side = ["side"] if self.sided else []
         routed = CounterMetricFamily(
             "rankgate_routing_requests",
             "Engine requests routed, by policy and chosen rank ('none' lets vLLM choose).",
-            labels=["policy", "rank"],
+            labels=["policy", "rank", *side],
         )
         # Copied first: a scrape reads these from a thread while the loop may add a series.
-        for (policy, rank), (value, created) in list(self.routed.items()):
-            routed.add_metric([policy, rank], value, created=created)
+        for (where, policy, rank), (value, created) in list(self.routed.items()):
+            routed.add_metric([policy, rank, *self._tail(where)], value, created=created)
         yield routed
         for series, name, doc in (
             (self.prompt, "rankgate_routing_prompt_tokens", "Prompt tokens routed, by rank."),
@@ -138,77 +189,90 @@ class RouteTally(Collector):
                 "Prompt tokens the chosen rank was believed to hold already, by rank.",
             ),
         ):
-            family = CounterMetricFamily(name, doc, labels=["rank"])
-            for rank, (value, created) in list(series.items()):
-                family.add_metric([rank], value, created=created)
+            family = CounterMetricFamily(name, doc, labels=["rank", *side])
+            for (where, rank), (value, created) in list(series.items()):
+                family.add_metric([rank, *self._tail(where)], value, created=created)
             yield family
         ratio = HistogramMetricFamily(
             "rankgate_routing_cached_prefix_ratio",
             "Share of each routed prompt the chosen rank was believed to hold.",
+            labels=side,
         )
-        self.ratio.add_to(ratio, {})
+        for where, histogram in list(self.ratios.items()):
+            if self.sided and not where:
+                continue
+            histogram.add_to(ratio, {"side": where} if self.sided else {})
         yield ratio
+
+    def _tail(self, side: str) -> list[str]:
+        return [side] if self.sided else []
 
     def state(self) -> dict[str, Any]:
         return {
             "routed": [[*key, *value] for key, value in list(self.routed.items())],
-            "prompt": [[rank, *value] for rank, value in list(self.prompt.items())],
-            "cached": [[rank, *value] for rank, value in list(self.cached.items())],
-            "ratio": self.ratio.state(),
+            "prompt": [[*key, *value] for key, value in list(self.prompt.items())],
+            "cached": [[*key, *value] for key, value in list(self.cached.items())],
+            "ratio": {side: h.state() for side, h in list(self.ratios.items())},
         }
 
     def merge(self, state: dict[str, Any]) -> None:
-        """Add another process's :meth:`state` to this one."""
-        for policy, rank, value, created in state["routed"]:
-            merge_count(self.routed, (policy, rank), value, created)
-        for rank, value, created in state["prompt"]:
-            merge_count(self.prompt, rank, value, created)
-        for rank, value, created in state["cached"]:
-            merge_count(self.cached, rank, value, created)
-        self.ratio.merge(state["ratio"])
+        """Add another process's :meth:`state` to this one (sided if it is)."""
+        for side, policy, rank, value, created in state["routed"]:
+            merge_count(self.routed, (side, policy, rank), value, created)
+            self.sided = self.sided or bool(side)
+        for side, rank, value, created in state["prompt"]:
+            merge_count(self.prompt, (side, rank), value, created)
+        for side, rank, value, created in state["cached"]:
+            merge_count(self.cached, (side, rank), value, created)
+        for side, histogram in state["ratio"].items():
+            self.ratios.setdefault(side, PlainHistogram(RATIO_BUCKETS)).merge(histogram)
+            self.sided = self.sided or bool(side)
 
 
 class RegretMetrics:
     """Predicted against realised cache hits, and per-rank trust in the KV view."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.predicted = Counter(
+    FAMILIES = ("predicted", "realised", "error", "scored", "trusted", "distrusted")
+
+    def __init__(self, registry: CollectorRegistry, sided: bool = False) -> None:
+        side = ["side"] if sided else []
+        self.predicted: CounterLike = Counter(
             "rankgate_routing_predicted_hit_tokens",
             "Prompt tokens of measured requests the router believed their rank held.",
-            ["policy", "rank"],
+            ["policy", "rank", *side],
             registry=registry,
         )
-        self.realised = Counter(
+        self.realised: CounterLike = Counter(
             "rankgate_routing_realised_hit_tokens",
             "Prompt tokens of measured requests their rank did not compute, by its KV events.",
-            ["policy", "rank"],
+            ["policy", "rank", *side],
             registry=registry,
         )
-        self.error = Counter(
+        self.error: CounterLike = Counter(
             "rankgate_routing_hit_error_tokens",
             "Predicted minus realised hit tokens: believed held but computed (missed), or "
             "held though not believed (unforeseen).",
-            ["policy", "rank", "direction"],
+            ["policy", "rank", "direction", *side],
             registry=registry,
         )
-        self.scored = Counter(
+        self.scored: CounterLike = Counter(
             "rankgate_routing_measured_requests",
             "Requests whose prediction was checked against their rank's KV events.",
-            ["policy", "rank"],
+            ["policy", "rank", *side],
             registry=registry,
         )
-        self.trusted = Gauge(
+        self.trusted: GaugeLike = Gauge(
             "rankgate_routing_kv_view_trusted",
             "1 while a rank is routed on its KV view; 0 while it is routed by load alone "
             "because its view is not trustworthy.",
-            ["rank"],
+            ["rank", *side],
             registry=registry,
         )
-        self.distrusted = Counter(
+        self.distrusted: CounterLike = Counter(
             "rankgate_routing_kv_view_distrusted",
             "Times a rank's KV view stopped being trusted, by reason (silent, mismatch, "
             "mispredicting, gap, block_size, schema).",
-            ["rank", "reason"],
+            ["rank", "reason", *side],
             registry=registry,
         )
 
@@ -216,96 +280,122 @@ class RegretMetrics:
 class RoutingMetrics:
     """All routing collectors; build with :func:`routing_metrics` to share one per registry."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.tally = RouteTally()
+    FAMILIES = (
+        "spills", "affinity", "event_batches", "event_turns", "events", "event_sequence",
+        "event_lag", "gaps", "replays", "purges", "rejected", "intake_up", "intake_restarts",
+    )  # fmt: skip
+
+    def __init__(self, registry: CollectorRegistry, sided: bool = False) -> None:
+        self.sided = sided
+        self.side = ""
+        side = ["side"] if sided else []
+        self.tally = RouteTally(sided)
         registry.register(self.tally)
-        self.regret = RegretMetrics(registry)
-        self.spills = Counter(
+        self.regret = RegretMetrics(registry, sided)
+        self.spills: CounterLike = Counter(
             "rankgate_routing_spills",
             "Requests sent away from their best-cached rank by the hot-prefix or capacity guard.",
-            ["reason"],
+            ["reason", *side],
             registry=registry,
         )
-        self.affinity = Counter(
+        self.affinity: CounterLike = Counter(
             "rankgate_routing_affinity",
             "Requests naming a conversation the router remembered: sent where it went before "
             "(followed), or elsewhere because that rank's load outweighed it (yielded).",
-            ["outcome"],
+            ["outcome", *side],
             registry=registry,
         )
-        self.event_batches = Counter(
+        self.event_batches: CounterLike = Counter(
             "rankgate_kv_event_batches",
             "KV-event batches applied, by rank and origin (live or replay).",
-            ["rank", "origin"],
+            ["rank", "origin", *side],
             registry=registry,
         )
-        self.event_turns = Counter(
+        self.event_turns: CounterLike = Counter(
             "rankgate_kv_event_turns",
             "Wake-ups of the KV-event thread: live batches, a replay's answer, or a deadline "
             "(a bind retry, a replay's end). An idle intake has none; under load, batches over "
             "turns is how many one wake-up serves.",
+            side,
             registry=registry,
         )
-        self.events = Counter(
+        self.events: CounterLike = Counter(
             "rankgate_kv_events",
             "KV events applied, by rank and type.",
-            ["rank", "type"],
+            ["rank", "type", *side],
             registry=registry,
         )
-        self.event_sequence = Gauge(
+        self.event_sequence: GaugeLike = Gauge(
             "rankgate_kv_event_sequence",
             "Sequence number of the latest KV-event batch taken in from each rank; beside the "
             "publisher's own count it shows how far the gateway's view trails the engine.",
-            ["rank"],
+            ["rank", *side],
             registry=registry,
         )
-        self.event_lag = Gauge(
+        self.event_lag: GaugeLike = Gauge(
             "rankgate_kv_event_lag_seconds",
             "Receive time minus publish time of each rank's latest KV-event batch.",
-            ["rank"],
+            ["rank", *side],
             registry=registry,
         )
-        self.gaps = Counter(
+        self.gaps: CounterLike = Counter(
             "rankgate_kv_event_gaps",
             "Sequence gaps seen in each rank's KV-event stream.",
-            ["rank"],
+            ["rank", *side],
             registry=registry,
         )
-        self.replays = Counter(
+        self.replays: CounterLike = Counter(
             "rankgate_kv_event_replays",
             "Replay requests, by rank and outcome (complete, incomplete, timeout, overflow, sync).",
-            ["rank", "outcome"],
+            ["rank", "outcome", *side],
             registry=registry,
         )
-        self.purges = Counter(
+        self.purges: CounterLike = Counter(
             "rankgate_kv_event_purges",
             "Per-rank index purges, by reason (gap, restart, replay).",
-            ["rank", "reason"],
+            ["rank", "reason", *side],
             registry=registry,
         )
-        self.rejected = Counter(
+        self.rejected: CounterLike = Counter(
             "rankgate_kv_event_rejected",
             "KV-event batches or events that could not be used, by rank and reason.",
-            ["rank", "reason"],
+            ["rank", "reason", *side],
             registry=registry,
         )
-        self.intake_up = Gauge(
+        self.intake_up: GaugeLike = Gauge(
             "rankgate_kv_intake_up",
             "1 while the KV-event intake thread serves; 0 while it restarts after a fault (the "
             "ranks' indexes are purged then, so routing falls back to load) or once stopped.",
+            side,
             registry=registry,
         )
-        self.intake_restarts = Counter(
+        self.intake_restarts: CounterLike = Counter(
             "rankgate_kv_intake_restarts",
             "Times the KV-event intake restarted after an unexpected fault.",
+            side,
             registry=registry,
         )
-        self._view = _ViewCollector()
+        self._view = _ViewCollector(sided)
         registry.register(self._view)
 
+    def for_side(self, side: str) -> RoutingMetrics:
+        """The collectors as one side's router counts into them (built ``sided``)."""
+        if not self.sided:
+            raise ValueError("these routing metrics were not built with a side label")
+        handle = copy.copy(self)
+        handle.side = side
+        for name in self.FAMILIES:
+            setattr(handle, name, _Sided(getattr(self, name), side))
+        handle.tally = self.tally.for_side(side)
+        regret = copy.copy(self.regret)
+        for name in RegretMetrics.FAMILIES:
+            setattr(regret, name, _Sided(getattr(self.regret, name), side))
+        handle.regret = regret
+        return handle
+
     def set_view(self, view: Callable[[], Iterable[RankSnapshot]] | None) -> None:
-        """Install the active router's per-rank snapshot (the latest router wins)."""
-        self._view.view = view
+        """Install the active router's per-rank snapshot (the latest router of a side wins)."""
+        self._view.views[self.side] = view
 
 
 _lock = threading.Lock()
@@ -314,12 +404,15 @@ _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, RoutingMetrics] = (
 )
 
 
-def routing_metrics(registry: CollectorRegistry | None = None) -> RoutingMetrics:
-    """The routing collectors of ``registry`` (default: prometheus-client's), built once."""
+def routing_metrics(
+    registry: CollectorRegistry | None = None, sided: bool = False
+) -> RoutingMetrics:
+    """The routing collectors of ``registry`` (default: prometheus-client's), built once;
+    ``sided`` (at the first call) labels every series with the side of a disaggregated pair."""
     target = REGISTRY if registry is None else registry
     with _lock:
         metrics = _by_registry.get(target)
         if metrics is None:
-            metrics = RoutingMetrics(target)
+            metrics = RoutingMetrics(target, sided)
             _by_registry[target] = metrics
         return metrics

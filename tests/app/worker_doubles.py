@@ -12,12 +12,14 @@ from rankgate.app.settings import GatewaySettings
 from rankgate.app.workers import STARTUP_FAILED
 
 
-def never_starts(settings: GatewaySettings, worker: int, sock: socket.socket, board: str) -> None:
+def never_starts(
+    settings: GatewaySettings, worker: int, sock: socket.socket, boards: tuple[str, ...]
+) -> None:
     sys.exit(STARTUP_FAILED)
 
 
 def second_keeps_crashing(
-    settings: GatewaySettings, worker: int, sock: socket.socket, board: str
+    settings: GatewaySettings, worker: int, sock: socket.socket, boards: tuple[str, ...]
 ) -> None:
     """Worker 0 serves until SIGTERM; worker 1 dies as soon as it starts."""
     if worker == 1:

@@ -21,13 +21,13 @@ from tests.support.metrics import metric_total
 __all__ = ["aggregated"]
 
 SEEDED = "rankgate_pd_first_token_seeded_total"
-# Long enough that the decode cannot have produced anything when the first chunk arrives.
-SLOW_PULL_S = 3.0
+# Long enough that the decode cannot have produced anything when the first chunk is read.
+SLOW_PULL_S = 10.0
 
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
-    with engine_pair(decode={"kv_transfer_seconds": SLOW_PULL_S}) as engines:
+    with engine_pair() as engines:
         yield engines
 
 
@@ -86,23 +86,25 @@ def usage(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def test_the_first_token_arrives_before_the_decode_has_produced_anything(
-    pair: Pair, split: httpx.Client
-) -> None:
-    before = pair.totals("decode").generated_tokens
-    seeded = metric_total(split, SEEDED, outcome="first_token")
-    with split.stream("POST", "/v1/completions", json=completion()) as response:
+def test_the_first_token_arrives_before_the_decode_has_produced_anything() -> None:
+    config = DisaggConfig(prefill_mode="remote")
+    with (
+        engine_pair(decode={"kv_transfer_seconds": SLOW_PULL_S}) as pair,
+        gateway_url(pair, disagg=config) as url,
+        httpx.Client(base_url=url, timeout=60) as split,
+        split.stream("POST", "/v1/completions", json=completion()) as response,
+    ):
         assert response.status_code == 200
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert orjson.loads(first[6:])["choices"][0]["text"]
-        # The decode is still pulling the prompt's KV: every token so far is the prefill's.
-        assert pair.totals("decode").generated_tokens == before
-        assert pair.totals("decode").transferring == 1
+        # The decode pulls the prompt's KV for seconds: every token so far is the prefill's.
+        assert pair.totals("decode").generated_tokens == 0
         for _ in lines:
             pass
-    assert metric_total(split, SEEDED, outcome="first_token") == seeded + 1
-    assert metric_total(split, SEEDED, outcome="mismatch") == 0
+        assert pair.totals("decode").generated_tokens == 10
+        assert metric_total(split, SEEDED, outcome="first_token") == 1
+        assert metric_total(split, SEEDED, outcome="mismatch") == 0
 
 
 @pytest.mark.parametrize(

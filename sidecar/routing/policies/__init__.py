@@ -47,13 +47,17 @@ def build_router(
     registry: CollectorRegistry | None = None,
     shared_load: SharedLoadBoard | None = None,
     clock: Clock = time.monotonic,
+    side: str | None = None,
 ) -> Router:
     """The router for ``config.policy``; its metrics go to ``registry`` (default: global).
 
     ``shared_load`` is the board worker processes share their per-rank load through; ``clock``
-    is what its decays and expiries read (tests give one they move by hand).
+    is what its decays and expiries read (tests give one they move by hand); ``side`` labels
+    its metrics (one side of a disaggregated pair, in a registry made ``sided``).
     """
     metrics = routing_metrics(registry)
+    if side is not None:
+        metrics = metrics.for_side(side)
     # Every tunable, once per router: what an operator's flags and environment amounted to.
     log.info("routing (%s): %r", "compiled" if compiled() else "pure Python", config)
     if config.policy == "engine":
