@@ -141,8 +141,9 @@ def settled_metrics(server: RealVllm) -> dict[str, float]:
 
 
 # The tests' prompts are short, which the per-request choice would prefill on the decode
-# engine; the hand-off is what they check, so they pin remote prefills.
-REMOTE_PREFILLS = DisaggConfig(prefill_mode="remote")
+# engine; the hand-off is what they check, so they pin remote prefills, and without seeding:
+# the windows they hang up in are counted in the decode's tokens as the client sees them.
+REMOTE_PREFILLS = DisaggConfig(prefill_mode="remote", seed_first_token=False)
 
 
 def gateway_for(pd: RealVllmPair, **settings: Any) -> Any:
@@ -486,7 +487,11 @@ def test_seeded_streams_are_what_the_decode_engine_answers_alone(real_pd: RealVl
         {"temperature": 0.9, "top_p": 0.95, "seed": 3, "n": 2},
     ]
     alone = DisaggConfig(prefill_mode="local")
-    with gateway_for(real_pd, disagg=alone) as local, gateway_for(real_pd) as seeded:
+    seeding = DisaggConfig(prefill_mode="remote")
+    with (
+        gateway_for(real_pd, disagg=alone) as local,
+        gateway_for(real_pd, disagg=seeding) as seeded,
+    ):
         for fields in cases:
             payload = body(model, unique_text(), stream=True, max_tokens=12, **fields)
             assert stream_choices(seeded, payload) == stream_choices(local, payload), fields
