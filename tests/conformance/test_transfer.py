@@ -221,3 +221,33 @@ def test_kv_no_decode_reads_is_held_until_the_lease_ends(pd_pair: PdPair) -> Non
         assert early, f"no probe was answered before the lease's end: {samples}"
         assert all(sample.held for sample in early), f"the KV read as free early: {samples}"
     wait_until(lambda: not pd_pair.prefill.held(), 10)
+
+
+@RERUN_ON_STALLS
+def test_a_prefill_sampled_as_the_client_asked_samples_the_decodes_first_token(
+    pd_pair: PdPair,
+) -> None:
+    """What first-token seeding rests on: the prefill's one token, sampled with the request's
+    own seed, is the token its decode samples first from the pulled KV, and the decode's
+    tokens are those the decode engine gives when it prefills the prompt itself."""
+    ids = helpers.fresh_prompt(100)
+    sampling = inference_pb2.RandomSampling(seed=9, top_p=0.95)
+    request = helpers.make_request(ids, tag="seeded", max_new_tokens=1, temperature=1.0)
+    request.sampling.CopyFrom(sampling)
+    request.kv.kv_transfer_params.update({"do_remote_decode": True})
+    with grpc.insecure_channel(pd_pair.prefill.target) as channel:
+        reply = helpers.unary(channel, request)
+    seeded = list(reply.outputs.token_ids)
+    assert len(seeded) == 1
+    decode = helpers.make_request(ids, tag="decode", max_new_tokens=6, temperature=1.0)
+    decode.sampling.CopyFrom(sampling)
+    decode.kv.kv_transfer_params.CopyFrom(reply.outputs.finish_info.kv_transfer_params)
+    alone = helpers.make_request(ids, tag="alone", max_new_tokens=6, temperature=1.0)
+    alone.sampling.CopyFrom(sampling)
+    # Computed afresh, not from the blocks the decode just pulled and cached.
+    alone.kv.bypass_prefix_cache = True
+    with grpc.insecure_channel(pd_pair.decode.target) as channel:
+        pulled = helpers.stream(channel, decode)
+        local = helpers.stream(channel, alone)
+    assert pulled.token_ids[:1] == seeded
+    assert pulled.token_ids == local.token_ids
