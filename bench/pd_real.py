@@ -14,7 +14,8 @@ Each request is a streamed ``/v1/completions`` call with token-id prompts (so th
 exact) of ``--short`` or ``--long`` tokens, greedy, ``--tokens`` output tokens, one at a time
 (no queueing: TTFT is service time). *Cold* prompts are new; *warm* ones were sent once
 before through the same gateway (the first send is not measured). The configurations are
-interleaved request by request within each round, so the machine's drift falls on all.
+interleaved request by request within each round, in a shuffled order, so the machine's drift
+and the engines' post-step spinning fall on all.
 
     flock /tmp/rankgate-vllm.lock scripts/in-netns .venv/bin/python bench/pd_real.py --markdown
 """
@@ -105,7 +106,11 @@ def measure(pair: RealVllmPair, args: argparse.Namespace) -> dict[tuple[str, str
         for _ in range(args.rounds):
             for _ in range(args.requests):
                 for length, size in (("short", args.short), ("long", args.long)):
-                    for name, url in urls.items():
+                    # In a fresh order each time: vLLM's CPU workers spin for a second after
+                    # each step, which would weigh on whichever path always came next.
+                    order = list(urls.items())
+                    rng.shuffle(order)
+                    for name, url in order:
                         cold = prompt(size)
                         results.setdefault((name, f"{length} cold"), []).append(
                             timed(url, model, cold, args.tokens)
@@ -179,6 +184,9 @@ def main() -> None:
         max_model_len=args.long + args.tokens + 64,
         cpus=str(cpus[0]),
         decode_cpus=str(cpus[-1]),
+        # The gateway and client share the engines' cores; niced engines let them run first,
+        # as they would beside a GPU.
+        nice=10,
     ) as pair:
         results = measure(pair, args)
     report(results, args.markdown)
