@@ -1,0 +1,231 @@
+"""Gateway CPU at equal load: Rankgate and vllm-router offered the same fixed request rates.
+
+At saturation the gateway that is not saturated spends more CPU per request (fewer requests
+per wake-up), so a comparison where one runs its core at 97% and the other at 65% flatters the
+busier one. Here both are offered the same fixed rates: fractions (``--fractions``) of
+vllm-router's own saturation rate, measured first in the same run. Each gateway runs alone,
+pinned to ``--gateway-cpu``, in front of one mock vLLM engine (DP=2, KV events on) that shares
+``--engine-cpu`` with the load generator (``h2load --rps``: ``--clients`` connections, or
+``--stream-clients`` for streams, each sending its share of the rate). Per rate and gateway:
+
+- non-streaming chat requests of ``--short-tokens`` tokens, the engine at zero latency: the
+  gateway's CPU per request, its core utilisation, and h2load's mean request time;
+- paced streams (every running stream gets one token per ``--step-ms`` step): the same rate of
+  ``--short-tokens`` and of ``--long-tokens`` streams, and the CPU per token is the slope
+  between the two, so per-request costs cancel.
+
+The gateways alternate within each rate, and the order flips every round (``--rounds``); the
+table gives each figure's median over the rounds and the Rankgate / vllm-router ratio of the
+medians. Saturation figures come from ``bench/peers_overhead.py``.
+
+    scripts/in-netns .venv/bin/python bench/equal_load.py [--rounds 3] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_tokenizer
+import peers
+import peers_overhead as po
+
+GATEWAYS = ("rankgate", "vllm-router")
+
+
+@dataclass
+class Fixed:
+    """One fixed-rate run: the gateway's CPU over it and the client's mean request time."""
+
+    requests: int
+    cpu: float
+    wall: float
+    mean_ms: float
+
+    @property
+    def per_request(self) -> float:
+        return self.cpu / self.requests
+
+    @property
+    def utilisation(self) -> float:
+        return self.cpu / self.wall
+
+
+def fixed_rate(
+    gateway: peers.Gateway,
+    request: dict[str, object],
+    rate: float,
+    args: argparse.Namespace,
+) -> Fixed:
+    """``rate`` requests a second of ``request`` for ``--seconds``, every one 2xx."""
+    clients = args.stream_clients if request.get("stream") else args.clients
+    n = max(clients, round(rate * args.seconds))
+    payload = args.work / "fixed.json"
+    payload.write_text(json.dumps(request))
+    headers = ["-H", "content-type: application/json"]
+    for name, value in gateway.headers.items():
+        headers += ["-H", f"{name}: {value}"]
+    argv = [
+        "taskset", "-c", args.engine_cpu, str(po.H2LOAD), "--h1", "-n", str(n),
+        "-c", str(clients), "--rps", f"{rate / clients:.3f}", "-T", "60",
+        "-d", str(payload), *headers, gateway.url + "/v1/chat/completions",
+    ]  # fmt: skip
+    cpu0, wall0 = gateway.cpu_seconds(), time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    cpu1, wall1 = gateway.cpu_seconds(), time.perf_counter()
+    ok = re.search(r"status codes: (\d+) 2xx", done.stdout)
+    timing = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", done.stdout)
+    if done.returncode != 0 or not ok or int(ok.group(1)) != n or not timing:
+        raise RuntimeError(f"h2load against {gateway.name} failed:\n{done.stdout}{done.stderr}")
+    return Fixed(n, cpu1 - cpu0, wall1 - wall0, _ms(timing.group(1)))
+
+
+def _ms(text: str) -> float:
+    for unit, scale in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+def saturation_rate(
+    engine: peers.Engine, request: dict[str, object], args: argparse.Namespace
+) -> float:
+    """vllm-router's requests per second with as many requests always in flight as the
+    fixed-rate runs have clients."""
+    clients = args.stream_clients if request.get("stream") else args.clients
+    with ExitStack() as own:
+        router = peers.start_vllm_router(own, engine, "kv_aware", args.gateway_cpu)
+        po.h2load(router, engine, request, 400, clients, args.engine_cpu, args.work)
+        load = po.h2load(router, engine, request, 3000, clients, args.engine_cpu, args.work)
+    return load.requests / load.wall
+
+
+def start(
+    name: str, stack: ExitStack, engine: peers.Engine, args: argparse.Namespace
+) -> peers.Gateway:
+    if name == "rankgate":
+        return peers.start_rankgate(stack, engine, "kv", cpus=args.gateway_cpu)
+    return peers.start_vllm_router(stack, engine, "kv_aware", args.gateway_cpu)
+
+
+def measure(args: argparse.Namespace, paced: bool) -> dict[tuple[str, float, str], list[Fixed]]:
+    """(gateway, fraction, "short"|"long") -> one Fixed per round."""
+    out: dict[tuple[str, float, str], list[Fixed]] = {}
+    tokenizer = peers.TINY_TOKENIZER if args.tokenizer == "tiny" else llama_tokenizer.ensure()
+    with ExitStack() as stack:
+        args.work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rankgate-eq-")))
+        engine = peers.start_mock_engine(
+            stack,
+            args.work,
+            dp_size=2,
+            tokenizer=tokenizer,
+            paced_step_seconds=args.step_ms / 1e3 if paced else 0.0,
+            cpus=args.engine_cpu,
+        )
+        lengths = ("short", "long") if paced else ("short",)
+        tokens = {"short": args.short_tokens, "long": args.long_tokens}
+        calibrate = po.body(engine.model, paced, tokens[lengths[-1]])
+        saturated = saturation_rate(engine, calibrate, args)
+        print(f"{'paced' if paced else 'non-streaming'}: vllm-router saturates at "
+              f"{saturated:.0f} req/s", flush=True)  # fmt: skip
+        for k in range(args.rounds):
+            order = list(GATEWAYS) if k % 2 == 0 else list(reversed(GATEWAYS))
+            for name in order:
+                with ExitStack() as own:
+                    gateway = start(name, own, engine, args)
+                    for length in lengths:
+                        asyncio.run(po.check(gateway, engine.model, paced, tokens[length]))
+                        request = po.body(engine.model, paced, tokens[length])
+                        fixed_rate(gateway, request, saturated * 0.25, args)  # warm-up
+                        for fraction in args.fractions:
+                            run = fixed_rate(gateway, request, saturated * fraction, args)
+                            out.setdefault((name, fraction, length), []).append(run)
+                print(f"{name}: round {k + 1} done", flush=True)
+    return out
+
+
+def report(
+    plain: dict[tuple[str, float, str], list[Fixed]],
+    paced: dict[tuple[str, float, str], list[Fixed]],
+    args: argparse.Namespace,
+) -> None:
+    def med(runs: list[Fixed], figure: str) -> float:
+        return float(statistics.median(float(getattr(run, figure)) for run in runs))
+
+    def per_token(name: str, fraction: float) -> float:
+        short = med(paced[(name, fraction, "short")], "per_request")
+        long = med(paced[(name, fraction, "long")], "per_request")
+        return float((long - short) / (args.long_tokens - args.short_tokens))
+
+    rows = []
+    for fraction in args.fractions:
+        for name in GATEWAYS:
+            runs = plain[(name, fraction, "short")]
+            rows.append(
+                [
+                    f"{fraction:.0%}",
+                    name,
+                    f"{med(runs, 'per_request') * 1e3:.3f}",
+                    f"{med(runs, 'utilisation'):.0%}",
+                    f"{med(runs, 'mean_ms'):.2f}",
+                    f"{per_token(name, fraction) * 1e6:.1f}",
+                    f"{med(paced[(name, fraction, 'long')], 'utilisation'):.0%}",
+                ]
+            )
+        ours = rows[-2]
+        theirs = rows[-1]
+        rows.append(
+            [
+                "",
+                "ratio",
+                f"{float(ours[2]) / float(theirs[2]):.2f}x",
+                "",
+                "",
+                f"{float(ours[5]) / float(theirs[5]):.2f}x",
+                "",
+            ]
+        )
+    head = (
+        "rate (of vllm-router's saturation)", "gateway", "CPU ms / request", "core",
+        "mean request ms", "CPU us / streamed token", "core (long streams)",
+    )  # fmt: skip
+    print(peers.table(head, rows, f"equal load, {args.rounds} rounds", args.markdown))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.8])
+    parser.add_argument("--seconds", type=float, default=10.0, help="per fixed-rate run")
+    parser.add_argument("--clients", type=int, default=16, help="connections, non-streaming")
+    parser.add_argument(
+        "--stream-clients",
+        type=int,
+        default=64,
+        help="connections for paced streams (a long stream lasts long-tokens x step-ms)",
+    )
+    parser.add_argument("--short-tokens", type=int, default=8)
+    parser.add_argument("--long-tokens", type=int, default=128)
+    parser.add_argument("--step-ms", type=float, default=2.0, help="paced decode step")
+    parser.add_argument("--gateway-cpu", default="1", help="taskset list for the gateway")
+    parser.add_argument("--engine-cpu", default="0", help="taskset list: engine and h2load")
+    parser.add_argument("--tokenizer", choices=("llama-32k", "tiny"), default="llama-32k")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    plain = measure(args, paced=False)
+    paced = measure(args, paced=True)
+    print()
+    report(plain, paced, args)
+
+
+if __name__ == "__main__":
+    main()
