@@ -289,7 +289,7 @@ class DisaggregatedEngine:
         decode = request
         # Seeding shows a streaming client its first token early; a whole answer gains
         # nothing from it.
-        seed = self._config.seed_first_token and request.stream
+        seed = self._config.seed_first_token and request.stream and pd_seed.reproducible(request)
         # The prefill runs in a task of its own: a client that leaves mid-prefill must not
         # cut it off unseen (see _settle_prefill).
         outcome = asyncio.ensure_future(self._run_prefill(decode, seed))

@@ -11,7 +11,8 @@ KV and recomputes the last prompt position, so it samples that first token again
 same KV, with the same generator) and its first token is taken out of its stream: the rest
 follows from the KV it read, draw for draw, as the aggregated path's would. A decode whose
 first token differs from the seeded one (logits that differ in their last bits between a
-batched prefill and a one-token step, at a near tie) is counted; its stream goes on. A first
+batched prefill and a one-token step, at a near tie) is counted; its stream goes on. Unseeded
+random sampling is not seeded (the two engines would draw independently). A first
 token that ends inside a UTF-8 character is not seeded: alone it reads as U+FFFD, while the
 stream shows the character once the next token completes it.
 """
@@ -23,6 +24,13 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 
 from rankgate.sidecar.types import Delta, PreparedRequest, StoppingParams
+
+
+def reproducible(request: PreparedRequest) -> bool:
+    """Whether the decode samples the prefill's token again: greedy, or seeded. An unseeded
+    random sample on each engine is two independent draws, and the client would get one
+    token and the continuation of another."""
+    return request.sampling.temperature == 0.0 or request.sampling.seed is not None
 
 
 def prefill_stopping(request: PreparedRequest) -> StoppingParams:

@@ -173,3 +173,13 @@ def test_chat_streams_match_the_aggregated_path(
     ours, theirs = stream_chunks(split, body), stream_chunks(aggregated, body)
     assert stream_summary(ours)["text"] == stream_summary(theirs)["text"]
     assert stream_summary(ours)["usage"] == stream_summary(theirs)["usage"]
+
+
+def test_unseeded_random_sampling_is_not_seeded(split: httpx.Client) -> None:
+    """Two engines sampling without a seed draw independently: the prefill's token would not
+    be the one the decode continues from, so the decode's stream goes out whole."""
+    before = metric_total(split, SEEDED)
+    chunks = completion_chunks(split, completion(temperature=1.0))
+    assert choices(chunks)[0]["text"]
+    assert usage(chunks)["completion_tokens"] == 10
+    assert metric_total(split, SEEDED) == before
