@@ -267,16 +267,7 @@ class DisaggregatedEngine:
         decode = _single_choice(request, choice)
         where, reason = self.placement(decode)
         self._metrics.prefills.labels(where, reason).inc()
-        stream = self._local(decode, choice) if where == "local" else self._remote(decode, choice)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            await stream.aclose()
-
-    async def _local(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
-        """The decode engine prefills ``request`` itself: the aggregated path on that side."""
-        stream = self._decode.generate(request)
+        stream = self._local(decode) if where == "local" else self._remote(decode)
         try:
             async for delta in stream:
                 if choice:
@@ -285,11 +276,14 @@ class DisaggregatedEngine:
         finally:
             await stream.aclose()
 
-    async def _remote(self, request: PreparedRequest, choice: int) -> AsyncGenerator[Delta, None]:
-        decode = request
+    def _local(self, request: PreparedRequest) -> AsyncGenerator[Delta, None]:
+        """The decode engine prefills ``request`` itself: the aggregated path on that side."""
+        return self._decode.generate(request)
+
+    async def _remote(self, decode: PreparedRequest) -> AsyncGenerator[Delta, None]:
         # Seeding shows a streaming client its first token early; a whole answer gains
         # nothing from it.
-        seed = self._config.seed_first_token and request.stream and pd_seed.reproducible(request)
+        seed = self._config.seed_first_token and decode.stream and pd_seed.reproducible(decode)
         # The prefill runs in a task of its own: a client that leaves mid-prefill must not
         # cut it off unseen (see _settle_prefill).
         outcome = asyncio.ensure_future(self._run_prefill(decode, seed))
@@ -299,30 +293,25 @@ class DisaggregatedEngine:
             self._settle_prefill(outcome, decode)
             raise
         if isinstance(prefilled, Delta):
-            prefilled.index = choice
             yield prefilled
             return
         trusted_until = prefilled.finished_at + self._config.trust_window
         seeded: Delta | None = None
         if seed:
             seeded = prefilled.last
-            if pd_seed.ends_answer(seeded, request):
+            if pd_seed.ends_answer(seeded, decode):
                 # The first token is the whole answer; the decode side still reads the KV
                 # (and drops it), so the prefill engine frees it now.
                 self._metrics.seeded.labels("whole_answer").inc()
                 self._hand_off(_decode_request(decode, prefilled), trusted_until)
-                whole = pd_seed.answer(seeded)
-                whole.index = choice
-                yield whole
+                yield pd_seed.answer(seeded)
                 return
             if pd_seed.held_back(seeded):
                 self._metrics.seeded.labels("held_back").inc()
                 seeded = None
             else:
                 self._metrics.seeded.labels("first_token").inc()
-                first = pd_seed.opening(seeded)
-                first.index = choice
-                yield first
+                yield pd_seed.opening(seeded)
         stream = self._decode.generate(
             _decode_request(decode, prefilled), decode_handoff=True, trusted_until=trusted_until
         )
@@ -332,14 +321,12 @@ class DisaggregatedEngine:
                 # Not answered from KV that may be gone: the decode engine prefills it anew.
                 await stream.aclose()
                 again = msgspec.structs.replace(decode, request_id=f"{decode.request_id}.local")
-                stream = self._local(again, 0)
+                stream = self._local(again)
             else:
                 stream = _chained(head, stream)
             if seeded is not None:
-                stream = pd_seed.after_seed(stream, seeded, self._seed_mismatch(request))
+                stream = pd_seed.after_seed(stream, seeded, self._seed_mismatch(decode))
             async for delta in stream:
-                if choice:
-                    delta.index = choice
                 yield delta
         finally:
             await stream.aclose()

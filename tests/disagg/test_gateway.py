@@ -54,9 +54,11 @@ def comparable(body: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if key not in ("id", "created")}
 
 
-def stream_chunks(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+def stream_chunks(
+    client: httpx.Client, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> list[dict[str, Any]]:
     chunks = []
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    with client.stream("POST", path, json=body) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

@@ -52,16 +52,7 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 
 def completion_chunks(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
-    chunks = []
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = orjson.loads(line[6:])
-                chunk.pop("id")
-                chunk.pop("created")
-                chunks.append(chunk)
-    return chunks
+    return stream_chunks(client, body, "/v1/completions")
 
 
 def choices(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
