@@ -89,7 +89,12 @@ class Flag:
 
     def default(self, defaults: GatewaySettings) -> Any:
         """The settings' own default for the field (None for repeatable flags)."""
-        if self.to is None or self.repeat:
+        if self.repeat:
+            return None
+        return self._field_default(defaults)
+
+    def _field_default(self, defaults: GatewaySettings) -> Any:
+        if self.to is None:
             return None
         value: Any = defaults
         for part in self.to.split("."):
@@ -116,7 +121,8 @@ class Flag:
     def value(self, args: argparse.Namespace, defaults: GatewaySettings) -> Any:
         value = getattr(args, self.dest)
         if self.repeat:
-            return tuple(value or ())
+            # Not given at all: the settings' own default, which need not be empty.
+            return self._field_default(defaults) if value is None else tuple(value)
         if value == "" and self.default(defaults) is None:
             return None
         return value

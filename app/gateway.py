@@ -15,7 +15,12 @@ from typing import Protocol
 from rankgate.app.limits import InputLimits
 from rankgate.app.prepare.chat import ChatPreparer, ChatSettings
 from rankgate.app.prepare.completion import CompletionPreparer
-from rankgate.app.prepare.media import IMAGE_PLACEHOLDERS, MediaHook
+from rankgate.app.prepare.media import (
+    AUDIO_PLACEHOLDERS,
+    IMAGE_PLACEHOLDERS,
+    VIDEO_PLACEHOLDERS,
+    MediaHook,
+)
 from rankgate.app.prepare.models import ModelRegistry
 from rankgate.app.prepare.template import ChatTemplate
 from rankgate.app.prepare.tokenizer import TextTokenizer, locate_tokenizer
@@ -90,15 +95,18 @@ class Gateway:
         )
         if self.template is None:
             log.warning("no chat template in %s: /v1/chat/completions will refuse", directory)
-        placeholder = next(
-            (p for p in IMAGE_PLACEHOLDERS if self.tokenizer.token_id(p) is not None), None
-        )
+
+        def known(candidates: tuple[str, ...]) -> str | None:
+            return next((p for p in candidates if self.tokenizer.token_id(p) is not None), None)
+
         settings = ChatSettings(
             tool_call_parser=_parser(options.tool_call_parser, info.tool_call_parser, "tool call"),
             reasoning_parser=_parser(options.reasoning_parser, info.reasoning_parser, "reasoning"),
-            image_placeholder=placeholder,
+            image_placeholder=known(IMAGE_PLACEHOLDERS),
             supports_images=info.supports_multimodal,
             image_token_id=options.image_token_id,
+            audio_placeholder=known(AUDIO_PLACEHOLDERS),
+            video_placeholder=known(VIDEO_PLACEHOLDERS),
             vocabulary=vocabulary(directory),
         )
         self.settings = settings

@@ -199,6 +199,72 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         int,
     ),
     Flag(
+        "--max-audio-clips",
+        "media.max_audios",
+        "audio clips per request (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--max-audio-bytes",
+        "media.max_audio_bytes",
+        "bytes per audio clip, fetched or inline (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--max-audio-seconds",
+        "media.max_audio_seconds",
+        "seconds per audio clip, declared or decoded (default: %(default)s)",
+        float,
+    ),
+    Flag(
+        "--audio-containers",
+        "media.allowed_audio_containers",
+        "audio containers accepted, of wav, flac, mp3, ogg, webm, mp4 (repeatable; env: "
+        "comma-separated; default: all)",
+        env=comma_list,
+        repeat=True,
+        metavar="NAME",
+    ),
+    Flag(
+        "--max-videos",
+        "media.max_videos",
+        "videos per request (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--max-video-bytes",
+        "media.max_video_bytes",
+        "bytes per video, fetched or inline (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--max-video-seconds",
+        "media.max_video_seconds",
+        "seconds per video, declared or counted from its packets (default: %(default)s)",
+        float,
+    ),
+    Flag(
+        "--max-video-frames",
+        "media.max_video_frames",
+        "frames per video, declared or counted (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--max-video-frame-pixels",
+        "media.max_video_frame_pixels",
+        "pixels per video frame (default: %(default)s, 4K)",
+        int,
+    ),
+    Flag(
+        "--video-containers",
+        "media.allowed_video_containers",
+        "video containers accepted, of mp4, webm, avi (repeatable; env: comma-separated; "
+        "default: mp4, webm)",
+        env=comma_list,
+        repeat=True,
+        metavar="NAME",
+    ),
+    Flag(
         "--image-fetch-timeout",
         "media.total_timeout",
         "seconds for one image fetch, redirects included (default: %(default)s)",

@@ -23,7 +23,7 @@ import time
 import PIL
 from PIL import Image, ImageFilter
 
-from rankgate.multimodal import ImageRef, MediaConfig, MediaPreparer
+from rankgate.multimodal import MediaConfig, MediaPreparer, MediaRef
 from rankgate.multimodal.decode import DecodeLimits, ImageDecoder, decode_image
 
 SIDE = 1024
@@ -95,7 +95,7 @@ async def bench_prepare(jpegs: list[bytes], seconds: float, workers: int) -> Non
     end = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < end:
-        ref = ImageRef(uris[i % len(uris)])
+        ref = MediaRef(uris[i % len(uris)])
         i += 1
         t0 = time.perf_counter()
         await preparer.prepare([ref])
@@ -104,7 +104,7 @@ async def bench_prepare(jpegs: list[bytes], seconds: float, workers: int) -> Non
     await preparer.aclose()
 
     preparer = MediaPreparer(MediaConfig(decode_workers=workers))
-    ref = ImageRef(uris[0])
+    ref = MediaRef(uris[0])
     await preparer.prepare([ref])
     samples = []
     end = time.perf_counter() + seconds

@@ -1,10 +1,13 @@
-"""Images attached to a request: where their bytes come from, who they are, how big they get.
+"""Media attached to a request: where their bytes come from, who they are, how big they get.
 
-vLLM expands each image placeholder in the prompt into as many tokens as the vision encoder
-produces for that image; the mock derives the count from the image's pixel size (one token
-per ``patch`` x ``patch`` tile, capped), which keeps it a pure function of the content, and
-identifies each image by the caller's ``uuid`` (the key vLLM uses for its caches) or, when
-absent, by a SHA-256 of its bytes.
+vLLM expands each placeholder in the prompt into as many tokens as the encoder produces for
+that item. The mock derives each count from the content alone, which keeps it a pure function
+of the bytes, as vLLM's processors are: an image's pixel size (one token per ``patch`` x
+``patch`` tile, capped), an audio clip's duration (``audio_tokens_per_second``, capped), a
+video's frames (up to ``video_frames`` sampled, two per temporal patch, each tiled like an
+image). It identifies each item by the caller's ``uuid`` (the key vLLM uses for its caches)
+or, when absent, by a SHA-256 of its bytes. A model without a modality's placeholder token
+refuses that modality, as vLLM does.
 """
 
 from __future__ import annotations
@@ -16,16 +19,24 @@ import io
 import math
 from dataclasses import dataclass
 
+import av
 import httpx
 from PIL import Image, UnidentifiedImageError
 
 from rankgate.mocker.status import invalid_argument
 from rankgate.sidecar.proto.vllm import inference_pb2
 
+_KINDS = {
+    inference_pb2.MODALITY_UNSPECIFIED: "image",
+    inference_pb2.MODALITY_IMAGE: "image",
+    inference_pb2.MODALITY_AUDIO: "audio",
+    inference_pb2.MODALITY_VIDEO: "video",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class MediaSpan:
-    """An expanded image inside the prompt: its identity and placeholder range."""
+    """An expanded item inside the prompt: its identity and placeholder range."""
 
     identifier: str
     offset: int
@@ -34,14 +45,35 @@ class MediaSpan:
 
 @dataclass(frozen=True, slots=True)
 class ImagePolicy:
-    image_token_id: int
+    """How the mock model takes media; a kind without a token id is refused."""
+
+    image_token_id: int | None
     patch_size: int
     max_tokens: int
     max_bytes: int
+    audio_token_id: int | None = None
+    video_token_id: int | None = None
+    audio_tokens_per_second: float = 12.5
+    video_frames: int = 16
+
+    def token_id(self, kind: str) -> int | None:
+        if kind == "audio":
+            return self.audio_token_id
+        if kind == "video":
+            return self.video_token_id
+        return self.image_token_id
 
     def tokens_for(self, width: int, height: int) -> int:
         tiles = math.ceil(width / self.patch_size) * math.ceil(height / self.patch_size)
         return max(1, min(self.max_tokens, tiles))
+
+    def audio_tokens(self, seconds: float) -> int:
+        return max(1, min(self.max_tokens, math.ceil(seconds * self.audio_tokens_per_second)))
+
+    def video_tokens(self, frames: int, width: int, height: int) -> int:
+        sampled = min(frames, self.video_frames)
+        per_frame = math.ceil(width / self.patch_size) * math.ceil(height / self.patch_size)
+        return max(1, min(self.max_tokens, math.ceil(sampled / 2) * per_frame))
 
 
 class MediaResolver:
@@ -59,31 +91,44 @@ class MediaResolver:
     async def expand(
         self, prompt: list[int], media: list[inference_pb2.MediaItem], lora: str
     ) -> tuple[list[int], tuple[MediaSpan, ...]]:
-        """Replace each placeholder with the image's tokens, in order."""
+        """Replace each placeholder with its item's tokens: the n-th item of a kind takes the
+        n-th placeholder of that kind."""
         policy = self.policy
         if policy is None:
             raise invalid_argument("this model does not support multimodal inputs")
         if any(item.WhichOneof("source") == "features" for item in media):
             return prompt, self._preprocessed(prompt, media, lora)
-        positions = [i for i, t in enumerate(prompt) if t == policy.image_token_id]
-        if len(positions) != len(media):
-            raise invalid_argument(
-                f"the prompt has {len(positions)} image placeholder token(s) "
-                f"(id {policy.image_token_id}) but the request carries {len(media)} media item(s)"
-            )
+        placed: list[tuple[int, int, str]] = []
+        for kind in ("image", "audio", "video"):
+            members = [i for i, item in enumerate(media) if _KINDS.get(item.modality) == kind]
+            if not members:
+                continue
+            token = policy.token_id(kind)
+            if token is None:
+                raise invalid_argument(f"this model does not support {kind} input")
+            positions = [i for i, t in enumerate(prompt) if t == token]
+            if len(positions) != len(members):
+                raise invalid_argument(
+                    f"the prompt has {len(positions)} {kind} placeholder token(s) "
+                    f"(id {token}) but the request carries {len(members)} {kind} item(s)"
+                )
+            placed.extend((p, m, kind) for p, m in zip(positions, members, strict=True))
+        unknown = [i for i, item in enumerate(media) if item.modality not in _KINDS]
+        if unknown:
+            raise invalid_argument(f"media[{unknown[0]}] has an unknown modality")
         expanded: list[int] = []
         spans: list[MediaSpan] = []
         cursor = 0
-        for index, (position, item) in enumerate(zip(positions, media, strict=True)):
+        for position, index, kind in sorted(placed):
+            item = media[index]
             data = await self._bytes(index, item)
-            width, height = _image_size(index, data)
-            count = policy.tokens_for(width, height)
+            count = _count(policy, kind, index, data)
             expanded.extend(prompt[cursor:position])
             identifier = item.uuid or hashlib.sha256(data).hexdigest()
             if lora:
                 identifier = f"{lora}:{identifier}"
             spans.append(MediaSpan(identifier, len(expanded), count))
-            expanded.extend([policy.image_token_id] * count)
+            expanded.extend([prompt[position]] * count)
             cursor = position + 1
         expanded.extend(prompt[cursor:])
         return expanded, tuple(spans)
@@ -110,8 +155,6 @@ class MediaResolver:
 
     async def _bytes(self, index: int, item: inference_pb2.MediaItem) -> bytes:
         assert self.policy is not None
-        if item.modality not in (inference_pb2.MODALITY_UNSPECIFIED, inference_pb2.MODALITY_IMAGE):
-            raise invalid_argument(f"media[{index}]: only image media are supported")
         source = item.WhichOneof("source")
         if source == "raw_bytes":
             data = item.raw_bytes
@@ -175,3 +218,27 @@ def _image_size(index: int, data: bytes) -> tuple[int, int]:
     if width < 1 or height < 1:
         raise invalid_argument(f"media[{index}] has an empty image")
     return width, height
+
+
+def _count(policy: ImagePolicy, kind: str, index: int, data: bytes) -> int:
+    if kind == "image":
+        width, height = _image_size(index, data)
+        return policy.tokens_for(width, height)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as opened:
+            if kind == "audio":
+                if not opened.streams.audio:
+                    raise invalid_argument(f"media[{index}] has no audio stream")
+                stream = opened.streams.audio[0]
+                samples = sum(frame.samples for frame in opened.decode(stream))
+                rate = stream.codec_context.sample_rate or 1
+                return policy.audio_tokens(samples / rate)
+            if not opened.streams.video:
+                raise invalid_argument(f"media[{index}] has no video stream")
+            video = opened.streams.video[0]
+            frames = sum(1 for packet in opened.demux(video) if packet.size)
+            return policy.video_tokens(
+                frames, video.codec_context.width, video.codec_context.height
+            )
+    except (av.FFmpegError, ValueError) as exc:
+        raise invalid_argument(f"media[{index}] is not a decodable {kind}: {exc}") from exc

@@ -65,12 +65,16 @@ class MockServer:
             config.tokenizer, config.vocab_size, config.image_token_id
         )
         policy = None
-        if config.supports_multimodal and self.vocab.image_token_id is not None:
+        vocab = self.vocab
+        tokens = (vocab.image_token_id, vocab.audio_token_id, vocab.video_token_id)
+        if config.supports_multimodal and any(token is not None for token in tokens):
             policy = ImagePolicy(
-                image_token_id=self.vocab.image_token_id,
+                image_token_id=vocab.image_token_id,
                 patch_size=config.image_patch_size,
                 max_tokens=config.image_max_tokens,
                 max_bytes=config.media_max_bytes,
+                audio_token_id=vocab.audio_token_id,
+                video_token_id=vocab.video_token_id,
             )
         self.model = TokenModel(self.vocab.output_ids, self.vocab.size)
         self.media = MediaResolver(policy)

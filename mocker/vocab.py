@@ -18,6 +18,8 @@ from tokenizers.decoders import DecodeStream
 
 _WORDLIKE = re.compile(r"^Ġ[A-Za-z]{2,}$")
 _IMAGE_TOKENS = ("<|image|>", "<image>", "<|image_pad|>", "<|vision_pad|>")
+_AUDIO_TOKENS = ("<|audio|>", "<|audio_pad|>", "<|AUDIO|>", "<audio>")
+_VIDEO_TOKENS = ("<|video|>", "<|video_pad|>", "<video>")
 _SYNTHETIC_SPECIALS = 8
 
 
@@ -36,6 +38,8 @@ class Vocabulary:
     # Ordinary, word-like ids the mock samples from, so output reads as text.
     output_ids: tuple[int, ...]
     tokenizer: Tokenizer | None
+    audio_token_id: int | None = None
+    video_token_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -104,6 +108,10 @@ def load_vocabulary(
         image = next(
             (i for name in _IMAGE_TOKENS if (i := tokenizer.token_to_id(name)) is not None), None
         )
+    audio, video = (
+        next((i for name in names if (i := tokenizer.token_to_id(name)) is not None), None)
+        for names in (_AUDIO_TOKENS, _VIDEO_TOKENS)
+    )
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     added_ids = set(added)
     output = tuple(
@@ -120,6 +128,8 @@ def load_vocabulary(
         image_token_id=image,
         output_ids=output,
         tokenizer=tokenizer,
+        audio_token_id=audio,
+        video_token_id=video,
     )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import httpcore
 
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -102,7 +102,7 @@ class AddressPolicy:
             if isinstance(address, ipaddress.IPv6Address) and _embedded_ipv4(address) is not None:
                 shown += f" (which embeds {_embedded_ipv4(address)})"
             article = "an" if reason[0] in "aeiouIU" else "a"
-            raise ImageRefused(f"{shown}, {article} {reason} address; fetching it is not allowed")
+            raise MediaRefused(f"{shown}, {article} {reason} address; fetching it is not allowed")
 
     async def resolve_allowed(self, host: str, port: int) -> tuple[str, ...]:
         """The addresses to connect to; refuses when any of them is not allowed."""
@@ -117,9 +117,9 @@ class AddressPolicy:
         try:
             found = await self._resolver(bare, port)
         except OSError as exc:
-            raise ImageRefused(f"cannot resolve host {bare}: {exc}") from None
+            raise MediaRefused(f"cannot resolve host {bare}: {exc}") from None
         if not found:
-            raise ImageRefused(f"host {bare} resolves to no address")
+            raise MediaRefused(f"host {bare} resolves to no address")
         for text in found:
             self.check_ip(bare, ipaddress.ip_address(text.split("%", 1)[0]))
         return tuple(dict.fromkeys(found))
@@ -161,7 +161,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
         socket_options: typing.Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        raise ImageRefused("unix sockets are not fetched")
+        raise MediaRefused("unix sockets are not fetched")
 
     async def sleep(self, seconds: float) -> None:
         await self._inner.sleep(seconds)

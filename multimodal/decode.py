@@ -1,7 +1,7 @@
 """Image validation and decoding with Pillow, always on a bounded worker pool.
 
 Pillow decodes and ``hashlib`` hashes with the GIL released, so a few threads give real
-parallelism while the event loop only awaits. Every refusal is an :class:`ImageRefused` with
+parallelism while the event loop only awaits. Every refusal is an :class:`MediaRefused` with
 a reason a client can act on: format not allowed, too many pixels (decompression bombs are
 refused from the header, before any pixel is decoded), truncated or corrupt data. The header
 alone (:func:`image_size`) is enough to check a request's images against its token budget
@@ -20,7 +20,7 @@ import msgspec
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from rankgate.multimodal.datauri import parse_data_uri
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import canonical_rgb, content_identity
 from rankgate.multimodal.lru import BoundedLRU
 
@@ -94,28 +94,28 @@ def image_size(data: bytes, limits: DecodeLimits) -> tuple[int, int]:
 def _open(data: bytes, limits: DecodeLimits) -> Image.Image:
     """The image with only its header read, its format and pixel count checked."""
     if not data:
-        raise ImageRefused("empty image data")
+        raise MediaRefused("empty image data")
     allowed = ", ".join(limits.allowed_formats)
     try:
         image = Image.open(io.BytesIO(data), formats=list(limits.allowed_formats))
     except UnidentifiedImageError:
         sniffed = sniff_format(data)
         if sniffed is not None and sniffed not in limits.allowed_formats:
-            raise ImageRefused(f"format {sniffed} is not allowed (allowed: {allowed})") from None
+            raise MediaRefused(f"format {sniffed} is not allowed (allowed: {allowed})") from None
         if sniffed is not None:
-            raise ImageRefused(f"corrupt {sniffed} header: Pillow cannot read it") from None
-        raise ImageRefused(f"corrupt or unrecognised image data (allowed: {allowed})") from None
+            raise MediaRefused(f"corrupt {sniffed} header: Pillow cannot read it") from None
+        raise MediaRefused(f"corrupt or unrecognised image data (allowed: {allowed})") from None
     except Image.DecompressionBombError as exc:
-        raise ImageRefused(f"decompression bomb refused: {exc}") from None
+        raise MediaRefused(f"decompression bomb refused: {exc}") from None
     except Exception as exc:  # Pillow's parsers raise many types on hostile headers.
-        raise ImageRefused(f"corrupt {sniff_format(data) or 'image'} header: {exc}") from None
+        raise MediaRefused(f"corrupt {sniff_format(data) or 'image'} header: {exc}") from None
     width, height = image.size
     if width <= 0 or height <= 0:
         image.close()
-        raise ImageRefused(f"invalid image size {width}x{height}")
+        raise MediaRefused(f"invalid image size {width}x{height}")
     if width * height > limits.max_pixels:
         image.close()
-        raise ImageRefused(
+        raise MediaRefused(
             f"{width}x{height} is {width * height} pixels, over the limit of "
             f"{limits.max_pixels} (decompression bomb guard)"
         )
@@ -134,8 +134,8 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         except Exception as exc:
             text = str(exc)
             if "truncated" in text or isinstance(exc, EOFError):
-                raise ImageRefused(f"truncated {fmt} data: {text or 'unexpected end'}") from None
-            raise ImageRefused(f"corrupt {fmt} data: {text}") from None
+                raise MediaRefused(f"truncated {fmt} data: {text or 'unexpected end'}") from None
+            raise MediaRefused(f"corrupt {fmt} data: {text}") from None
         if upright is image:
             return DecodedImage(
                 uuid=content_identity(data),
@@ -181,11 +181,11 @@ class ImageDecoder:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._pool, self._decode_or_recall, data)
 
-    async def data_uri_bytes(self, uri: str, max_bytes: int) -> bytes:
-        """The payload of a ``data:`` URI, base64-decoded on the pool."""
+    async def data_uri_bytes(self, uri: str, max_bytes: int, kind: str = "image") -> bytes:
+        """The payload of a ``data:`` URI of ``kind``, base64-decoded on the pool."""
         async with self._slots:
             loop = asyncio.get_running_loop()
-            _, data = await loop.run_in_executor(self._pool, parse_data_uri, uri, max_bytes)
+            _, data = await loop.run_in_executor(self._pool, parse_data_uri, uri, max_bytes, kind)
             return data
 
     async def size(self, data: bytes) -> tuple[int, int]:

@@ -1,11 +1,12 @@
-"""How many prompt tokens each image becomes inside vLLM, for routing on image blocks.
+"""How many prompt tokens each image or clip becomes inside vLLM, for routing on its blocks.
 
-The prompt carries one placeholder token per image and vLLM expands it; the router must know
-the expanded length to hash the same blocks vLLM reports. For model families with a known
+The prompt carries one placeholder token per item and vLLM expands it; the router must know
+the expanded length to hash the same blocks vLLM reports. For image model families with a known
 rule it is computed from the image size (:class:`QwenVLPatchMerge`, :class:`FixedTokens`);
-for any other model it is learned from the first request that carries the image, as
-``PromptInfo.num_prompt_tokens`` minus the text tokens (:class:`LearnedTokenCounts`). When
-neither knows, the count is None and the router routes on the text before the first image.
+otherwise, and for every audio and video clip, it is learned from the first request that
+carries the item, from vLLM's expanded prompt (:class:`LearnedTokenCounts`), and stands for
+any later item of the same shape. When neither knows, the count is None and the router routes
+on the text before the first such item.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.lru import BoundedLRU
 from rankgate.multimodal.types import MediaConfig
 from rankgate.sidecar.routing.hashing import image_runs
@@ -51,7 +52,7 @@ class QwenVLPatchMerge:
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         if max(width, height) / min(width, height) > _QWEN_MAX_ASPECT:
-            raise ImageRefused(
+            raise MediaRefused(
                 f"aspect ratio of {width}x{height} is over {_QWEN_MAX_ASPECT}, "
                 "which Qwen2-VL models refuse"
             )
@@ -112,18 +113,27 @@ def formula_for(config: MediaConfig, model_id: str) -> ImageTokenFormula | None:
     return None
 
 
+Shape = tuple[int, ...]
+
+
+def image_shape(width: int, height: int) -> Shape:
+    """The shape key of an image (clips have theirs: :attr:`multimodal.clips.ProbedClip.shape`)."""
+    return (1, width, height)
+
+
 class LearnedTokenCounts:
-    """Expanded token counts observed from vLLM, by image uuid and by image size, LRU-bounded.
+    """Expanded token counts observed from vLLM, by item uuid and by item shape, LRU-bounded.
 
     What vLLM reports is the truth, so an observation overrides a formula's count. vLLM's
-    processors derive an image's token count from its size alone, so a count learnt for one
-    image also stands for a new image of the same width and height (:meth:`for_size`).
+    processors derive an item's token count from its shape alone (an image's size; a clip's
+    sample count, or its frame size, count and span), so a count learnt for one item also
+    stands for a new item of the same shape (:meth:`for_shape`).
     """
 
     def __init__(self, capacity: int) -> None:
         self._counts: BoundedLRU[str, int] = BoundedLRU(capacity)
-        self._sizes: BoundedLRU[str, tuple[int, int]] = BoundedLRU(capacity)
-        self._by_size: BoundedLRU[tuple[int, int], int] = BoundedLRU(capacity)
+        self._shapes: BoundedLRU[str, Shape] = BoundedLRU(capacity)
+        self._by_shape: BoundedLRU[Shape, int] = BoundedLRU(capacity)
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -131,18 +141,18 @@ class LearnedTokenCounts:
     def get(self, uuid: str) -> int | None:
         return self._counts.get(uuid)
 
-    def for_size(self, width: int, height: int) -> int | None:
-        return self._by_size.get((width, height))
+    def for_shape(self, shape: Shape) -> int | None:
+        return self._by_shape.get(shape)
 
-    def saw(self, uuid: str, width: int, height: int) -> None:
-        """Remember a prepared image's size, so that its count, once learnt, covers its size."""
-        self._sizes.put(uuid, (width, height))
+    def saw(self, uuid: str, shape: Shape) -> None:
+        """Remember a prepared item's shape, so that its count, once learnt, covers its shape."""
+        self._shapes.put(uuid, shape)
 
     def _learn(self, uuid: str, count: int) -> None:
         self._counts.put(uuid, count)
-        size = self._sizes.get(uuid)
-        if size is not None:
-            self._by_size.put(size, count)
+        shape = self._shapes.get(uuid)
+        if shape is not None:
+            self._by_shape.put(shape, count)
 
     def observe_runs(
         self, media: Sequence[MediaInput], prompt_len: int, expanded: Sequence[int]
@@ -166,7 +176,7 @@ class LearnedTokenCounts:
     def _split(self, run: Sequence[MediaInput], total: int) -> dict[str, int]:
         """Each image's share of a run of adjacent placeholders that expanded to ``total``:
         what the known counts leave to one unknown image, or an even split among unknown
-        images of one size (a count depends on the size alone)."""
+        items of one shape (a count depends on the shape alone)."""
         unknown: list[MediaInput] = []
         for item in run:
             count = self.get(item.uuid)
@@ -178,8 +188,8 @@ class LearnedTokenCounts:
         if not unknown:
             return {}
         uuids = {item.uuid for item in unknown}
-        sizes = {self._sizes.get(uuid) for uuid in uuids}
-        if len(uuids) > 1 and (len(sizes) != 1 or None in sizes):
+        shapes = {self._shapes.get(uuid) for uuid in uuids}
+        if len(uuids) > 1 and (len(shapes) != 1 or None in shapes):
             return {}
         count, remainder = divmod(total, len(unknown))
         if remainder or count <= 0:

@@ -1,4 +1,4 @@
-"""OpenAI image parts to :class:`~sidecar.types.MediaInput`: the package's one entry point."""
+"""OpenAI media parts to :class:`~sidecar.types.MediaInput`: the package's one entry point."""
 
 from __future__ import annotations
 
@@ -7,20 +7,29 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from rankgate.multimodal.addresses import AddressPolicy, Resolver
+from rankgate.multimodal.clips import ClipDecoder, ClipLimits, ProbedClip
 from rankgate.multimodal.decode import DecodedImage, DecodeLimits, ImageDecoder
-from rankgate.multimodal.errors import ImageError, ImageRefused, ImagesOverBudget
-from rankgate.multimodal.expansion import ImageTokenFormula, LearnedTokenCounts, formula_for
+from rankgate.multimodal.errors import MediaError, MediaOverBudget, MediaRefused
+from rankgate.multimodal.expansion import (
+    ImageTokenFormula,
+    LearnedTokenCounts,
+    formula_for,
+    image_shape,
+)
 from rankgate.multimodal.fetch import ImageFetcher, parse_url
 from rankgate.multimodal.identity import url_identity
-from rankgate.multimodal.types import ImageRef, MediaConfig
+from rankgate.multimodal.types import MediaConfig, MediaKind, MediaRef
 from rankgate.sidecar.types import EngineInfo, MediaInput
 
 _DETAILS = frozenset({"auto", "low", "high"})
 _T = TypeVar("_T")
+# One item's work is keyed by its kind and URL text: the same URL as two kinds is two items.
+_Key = tuple[MediaKind, str]
+_Loaded = DecodedImage | ProbedClip | str
 
 
 class MediaPreparer:
-    """Fetches, validates, decodes and identifies a request's images, all concurrently.
+    """Fetches, validates, decodes and identifies a request's media, all concurrently.
 
     Build one per process and share it: it owns the HTTP client, the fetch cache, the decode
     pool and the learned token counts. ``model_id`` picks the token-count formula (see
@@ -43,6 +52,33 @@ class MediaPreparer:
             self.config.decode_workers,
             self.config.decode_memo_bytes,
         )
+        self.clips = ClipDecoder(
+            ClipLimits(
+                kind="audio",
+                containers=self.config.allowed_audio_containers,
+                max_seconds=self.config.max_audio_seconds,
+                max_decoded_bytes=self.config.max_audio_decoded_bytes,
+            ),
+            ClipLimits(
+                kind="video",
+                containers=self.config.allowed_video_containers,
+                max_seconds=self.config.max_video_seconds,
+                max_frames=self.config.max_video_frames,
+                max_frame_pixels=self.config.max_video_frame_pixels,
+            ),
+            self.config.decode_workers,
+            self.config.decode_memo_bytes,
+        )
+        self._most: dict[MediaKind, int] = {
+            "image": self.config.max_images,
+            "audio": self.config.max_audios,
+            "video": self.config.max_videos,
+        }
+        self._max_bytes: dict[MediaKind, int] = {
+            "image": self.config.max_image_bytes,
+            "audio": self.config.max_audio_bytes,
+            "video": self.config.max_video_bytes,
+        }
         self.learned = LearnedTokenCounts(self.config.learned_token_entries)
         self._formula: ImageTokenFormula | None = None
         self.set_model(model_id)
@@ -59,68 +95,89 @@ class MediaPreparer:
         return self._formula
 
     async def prepare(
-        self, images: Sequence[ImageRef], token_budget: int | None = None
+        self, items: Sequence[MediaRef], token_budget: int | None = None
     ) -> tuple[MediaInput, ...]:
-        """One :class:`MediaInput` per image, in order; raises :class:`ImageError`.
+        """One :class:`MediaInput` per item, in order; raises :class:`MediaError`.
 
-        Images with the same URL text are fetched and decoded once. On the first refusal the
-        other images' work is cancelled and the refusal with the lowest index is raised.
+        Items of one kind with the same URL text are fetched and decoded once. On the first
+        refusal the other items' work is cancelled and the refusal with the lowest index is
+        raised.
 
-        With a ``token_budget`` (the tokens the context leaves for the images), the images
-        are counted from their headers once all are fetched, and refused together
-        (:class:`ImagesOverBudget`) before any pixel is decoded when they surely expand past
-        it: decoding is the expensive part, in time and memory.
+        With a ``token_budget`` (the tokens the context leaves for the media), the items are
+        counted once all are fetched (images from their headers), and refused together
+        (:class:`MediaOverBudget`) before any is decoded when they surely expand past it:
+        decoding is the expensive part, in time and memory.
         """
-        limit = self.config.max_images
-        if len(images) > limit:
-            raise ImageError(
-                limit, f"too many images: the request has {len(images)}, at most {limit} allowed"
-            )
-        first_index: dict[str, int] = {}
-        for index, ref in enumerate(images):
-            self._check_ref(index, ref)
-            first_index.setdefault(ref.url, index)
-        sources, failure = await self._each(first_index, self._source)
+        labels = self._labels(items)
+        first_index: dict[_Key, int] = {}
+        for index, ref in enumerate(items):
+            self._check_ref(index, ref, labels[index])
+            first_index.setdefault((ref.kind, ref.url), index)
+        sources, failure = await self._each(
+            first_index, lambda index, key: self._source(index, key, labels)
+        )
         if failure is not None:
-            # An earlier image that only its decoding refuses is still the one to report.
-            earlier = {url: i for url, i in first_index.items() if i < failure.index}
-            _, decoded = await self._each(earlier, lambda i, url: self._decode(i, sources[url]))
+            # An earlier item that only its decoding refuses is still the one to report.
+            earlier = {key: i for key, i in first_index.items() if i < failure.index}
+            _, decoded = await self._each(
+                earlier, lambda i, key: self._decode(i, key, sources[key], labels)
+            )
             raise decoded or failure
         if token_budget is not None:
-            await self._check_budget(images, first_index, sources, token_budget)
+            await self._check_budget(items, first_index, sources, token_budget, labels)
         loaded, failure = await self._each(
-            first_index, lambda index, url: self._decode(index, sources[url])
+            first_index, lambda index, key: self._decode(index, key, sources[key], labels)
         )
         if failure is not None:
             raise failure
         return tuple(
-            self._media_input(index, ref, loaded[ref.url]) for index, ref in enumerate(images)
+            self._media_input(index, ref, loaded[(ref.kind, ref.url)], labels[index])
+            for index, ref in enumerate(items)
         )
+
+    def _labels(self, items: Sequence[MediaRef]) -> list[str]:
+        """Each item's name in errors ("audio 1": its place among the items of its kind), the
+        number of each kind checked against its limit."""
+        seen: dict[MediaKind, int] = {"image": 0, "audio": 0, "video": 0}
+        labels: list[str] = []
+        for ref in items:
+            labels.append(f"{ref.kind} {seen[ref.kind]}")
+            seen[ref.kind] += 1
+        for kind, count in seen.items():
+            limit = self._most[kind]
+            if count > limit:
+                noun = "images" if kind == "image" else f"{kind} clips"
+                raise MediaError(
+                    limit,
+                    f"too many {noun}: the request has {count}, at most {limit} allowed",
+                    label=f"{kind} {limit}",
+                )
+        return labels
 
     async def _each(
         self,
-        first_index: dict[str, int],
-        work: Callable[[int, str], Awaitable[_T]],
-    ) -> tuple[dict[str, _T], ImageError | None]:
-        """``work`` for every distinct image concurrently: the results by URL, and the
-        lowest-index refusal (then the results hold every image before it).
+        first_index: dict[_Key, int],
+        work: Callable[[int, _Key], Awaitable[_T]],
+    ) -> tuple[dict[_Key, _T], MediaError | None]:
+        """``work`` for every distinct item concurrently: the results by key, and the
+        lowest-index refusal (then the results hold every item before it).
 
-        After a refusal, work on later images is cancelled at once, while earlier ones run on
+        After a refusal, work on later items is cancelled at once, while earlier ones run on
         because one of them may fail too: the error a client sees does not depend on timing.
         """
         tasks = {
-            asyncio.ensure_future(work(index, url)): index for url, index in first_index.items()
+            asyncio.ensure_future(work(index, key)): index for key, index in first_index.items()
         }
         try:
             pending = set(tasks)
-            first: ImageError | None = None
+            first: MediaError | None = None
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
                     failure = task.exception()
                     if failure is None:
                         continue
-                    if not isinstance(failure, ImageError):
+                    if not isinstance(failure, MediaError):
                         raise failure
                     if first is None or failure.index < first.index:
                         first = failure
@@ -135,7 +192,7 @@ class MediaPreparer:
                 for task, index in tasks.items()
                 if first is None or index < first.index
             }
-            results = {url: by_index[i] for url, i in first_index.items() if i in by_index}
+            results = {key: by_index[i] for key, i in first_index.items() if i in by_index}
             return results, first
         finally:
             for task in tasks:
@@ -144,32 +201,34 @@ class MediaPreparer:
 
     async def _check_budget(
         self,
-        images: Sequence[ImageRef],
-        first_index: dict[str, int],
-        sources: dict[str, bytes | str],
+        items: Sequence[MediaRef],
+        first_index: dict[_Key, int],
+        sources: dict[_Key, bytes | str],
         budget: int,
+        labels: list[str],
     ) -> None:
-        """Refuse when the images' fewest possible tokens pass ``budget``: a count learnt for
-        the client's uuid, else the formula (or a count learnt for that size) at the header's
-        size in either orientation (EXIF may turn it), else one token (the placeholder) for
-        an image nothing is known about."""
+        """Refuse when the items' fewest possible tokens pass ``budget``: a count learnt for
+        the client's uuid, else for an image the formula (or a count learnt for that size) at
+        the header's size in either orientation (EXIF may turn it), else one token (the
+        placeholder) for an item nothing is known about."""
+        images = {key: i for key, i in first_index.items() if key[0] == "image"}
 
-        async def size(index: int, url: str) -> tuple[int, int] | None:
-            source = sources[url]
+        async def size(index: int, key: _Key) -> tuple[int, int] | None:
+            source = sources[key]
             if isinstance(source, str):
                 return None
             try:
                 return await self.decoder.size(source)
-            except ImageRefused as refusal:
-                raise refusal.at(index) from None
+            except MediaRefused as refusal:
+                raise refusal.at(index, labels[index]) from None
 
-        sizes, failure = await self._each(first_index, size)
+        sizes, failure = await self._each(images, size)
         if failure is not None:
             raise failure
         total = 0
-        for index, ref in enumerate(images):
+        for index, ref in enumerate(items):
             learned = self.learned.get(ref.uuid) if ref.uuid else None
-            dimensions = sizes[ref.url]
+            dimensions = sizes.get((ref.kind, ref.url))
             if learned is not None:
                 total += learned
             elif dimensions is not None and self._formula is not None:
@@ -178,39 +237,46 @@ class MediaPreparer:
                     total += min(
                         self._formula.tokens(width, height), self._formula.tokens(height, width)
                     )
-                except ImageRefused as refusal:
-                    raise refusal.at(index) from None
+                except MediaRefused as refusal:
+                    raise refusal.at(index, labels[index]) from None
             elif dimensions is not None:
                 # Without a formula, a count learnt for an image of this size (EXIF may turn
                 # it, so only when both orientations are known).
                 width, height = dimensions
-                upright = self.learned.for_size(width, height)
-                turned = self.learned.for_size(height, width)
+                upright = self.learned.for_shape(image_shape(width, height))
+                turned = self.learned.for_shape(image_shape(height, width))
                 total += min(upright, turned) if upright and turned else 1
             else:
                 total += 1
         if total > budget:
-            raise ImagesOverBudget(total, budget)
+            raise MediaOverBudget(total, budget)
 
-    async def _source(self, index: int, url: str) -> bytes | str:
-        """The image's bytes, or the URL itself when vLLM is to fetch it (pass-through)."""
+    async def _source(self, index: int, key: _Key, labels: list[str]) -> bytes | str:
+        """The item's bytes, or the URL itself when vLLM is to fetch it (pass-through)."""
+        kind, url = key
+        limit = self._max_bytes[kind]
         try:
             if url[:5].lower() == "data:":
-                return await self.decoder.data_uri_bytes(url, self.config.max_image_bytes)
+                return await self.decoder.data_uri_bytes(url, limit, kind)
             if self.config.mode == "passthrough":
                 parse_url(url)
                 return url
-            return await self.fetcher.fetch(url)
-        except ImageRefused as refusal:
-            raise refusal.at(index) from None
+            return await self.fetcher.fetch(url, limit)
+        except MediaRefused as refusal:
+            raise refusal.at(index, labels[index]) from None
 
-    async def _decode(self, index: int, source: bytes | str) -> DecodedImage | str:
+    async def _decode(
+        self, index: int, key: _Key, source: bytes | str, labels: list[str]
+    ) -> _Loaded:
         if isinstance(source, str):
             return source
+        kind = key[0]
         try:
-            return await self.decoder.decode(source)
-        except ImageRefused as refusal:
-            raise refusal.at(index) from None
+            if kind == "image":
+                return await self.decoder.decode(source)
+            return await self.clips.probe(kind, source)
+        except MediaRefused as refusal:
+            raise refusal.at(index, labels[index]) from None
 
     def observe(
         self,
@@ -225,44 +291,64 @@ class MediaPreparer:
             return
         self.learned.observe(media, prompt_len, expanded_prompt_tokens)
 
-    def _check_ref(self, index: int, ref: ImageRef) -> None:
-        if ref.detail is not None and ref.detail not in _DETAILS:
-            raise ImageError(index, f"detail must be one of auto, low, high; got {ref.detail!r}")
+    def _check_ref(self, index: int, ref: MediaRef, label: str) -> None:
+        if ref.detail is not None and (ref.kind != "image" or ref.detail not in _DETAILS):
+            raise MediaError(
+                index, f"detail must be one of auto, low, high; got {ref.detail!r}", label=label
+            )
         if ref.uuid is not None:
             if not ref.uuid or len(ref.uuid) > self.config.max_uuid_length:
-                raise ImageError(
-                    index, f"uuid must be 1 to {self.config.max_uuid_length} characters"
+                raise MediaError(
+                    index,
+                    f"uuid must be 1 to {self.config.max_uuid_length} characters",
+                    label=label,
                 )
             if not ref.uuid.isascii() or not ref.uuid.isprintable():
-                raise ImageError(index, "uuid must be printable ASCII")
+                raise MediaError(index, "uuid must be printable ASCII", label=label)
         scheme = ref.url[:8].lower()
         if not scheme.startswith(("data:", "http://", "https://")):
-            raise ImageError(index, "image url must be a data: URI or an http(s):// URL")
+            raise MediaError(
+                index, f"{ref.kind} url must be a data: URI or an http(s):// URL", label=label
+            )
 
-    def _media_input(self, index: int, ref: ImageRef, loaded: DecodedImage | str) -> MediaInput:
+    def _media_input(self, index: int, ref: MediaRef, loaded: _Loaded, label: str) -> MediaInput:
         if isinstance(loaded, str):
             uuid = ref.uuid or url_identity(loaded)
-            return MediaInput(uuid=uuid, url=loaded, num_tokens=self.learned.get(uuid))
+            return MediaInput(
+                uuid=uuid, url=loaded, num_tokens=self.learned.get(uuid), modality=ref.kind
+            )
         uuid = ref.uuid or loaded.uuid
+        if isinstance(loaded, ProbedClip):
+            self.learned.saw(uuid, loaded.shape)
+            learned = self.learned.get(uuid)
+            return MediaInput(
+                uuid=uuid,
+                mime_type=loaded.mime_type,
+                data=loaded.data,
+                num_tokens=learned if learned is not None else self.learned.for_shape(loaded.shape),
+                modality=ref.kind,
+            )
         return MediaInput(
             uuid=uuid,
             mime_type=loaded.mime_type,
             data=loaded.data,
-            num_tokens=self._count(index, uuid, loaded),
+            num_tokens=self._count(index, uuid, loaded, label),
         )
 
-    def _count(self, index: int, uuid: str, image: DecodedImage) -> int | None:
+    def _count(self, index: int, uuid: str, image: DecodedImage, label: str) -> int | None:
         learned = self.learned.get(uuid)
-        self.learned.saw(uuid, image.width, image.height)
+        shape = image_shape(image.width, image.height)
+        self.learned.saw(uuid, shape)
         if learned is not None:
             return learned
         if self._formula is None:
-            return self.learned.for_size(image.width, image.height)
+            return self.learned.for_shape(shape)
         try:
             return self._formula.tokens(image.width, image.height)
-        except ImageRefused as refusal:
-            raise refusal.at(index) from None
+        except MediaRefused as refusal:
+            raise refusal.at(index, label) from None
 
     async def aclose(self) -> None:
         await self.fetcher.aclose()
         self.decoder.close()
+        self.clips.close()

@@ -1,4 +1,4 @@
-"""The package's inputs: one image reference per OpenAI image part, and every limit in one place."""
+"""The package's inputs: one reference per OpenAI media part, and every limit in one place."""
 
 from __future__ import annotations
 
@@ -8,27 +8,32 @@ from typing import Literal
 import msgspec
 
 MediaMode = Literal["fetch", "passthrough"]
+MediaKind = Literal["image", "audio", "video"]
 TokenFamily = Literal["auto", "qwen2_vl", "llava_1_5", "none"]
 ImageDetail = Literal["auto", "low", "high"]
 
 _KNOWN_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "JPEG2000"})
+# Containers the gateway can tell by their first bytes (see :mod:`multimodal.clips`).
+KNOWN_AUDIO_CONTAINERS = frozenset({"wav", "flac", "mp3", "ogg", "webm", "mp4"})
+KNOWN_VIDEO_CONTAINERS = frozenset({"mp4", "webm", "avi"})
 
 
-class ImageRef(msgspec.Struct, frozen=True):
-    """An ``image_url`` content part as the client sent it.
+class MediaRef(msgspec.Struct, frozen=True):
+    """An ``image_url``, ``input_audio``, ``audio_url`` or ``video_url`` part as sent.
 
-    ``url`` is a ``data:`` URI or an ``http(s)://`` URL; ``uuid`` is the client's own identity
-    for the image (OpenAI ``uuid`` / vLLM ``multi_modal_uuids``), used instead of the content
-    hash when given.
+    ``url`` is a ``data:`` URI or an ``http(s)://`` URL (``input_audio`` data arrives as a
+    ``data:`` URI); ``uuid`` is the client's own identity for the item (vLLM's per-part
+    ``uuid``), used instead of the content hash when given.
     """
 
     url: str
     uuid: str | None = None
     detail: str | None = None
+    kind: MediaKind = "image"
 
 
 class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Every limit and knob of image handling; validated once at construction.
+    """Every limit and knob of media handling; validated once at construction.
 
     ``mode`` "fetch" downloads and decodes every image and sends vLLM its bytes (vLLM never
     fetches); "passthrough" forwards ``http(s)`` URLs for vLLM to fetch and identifies them by
@@ -59,6 +64,18 @@ class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
     qwen_min_pixels: int = 56 * 56
     qwen_max_pixels: int = 28 * 28 * 16384
     fixed_image_tokens: int = 576
+    # Audio and video: vLLM 0.32's own defaults where it has them (VLLM_MAX_AUDIO_*).
+    max_audios: int = 8
+    max_audio_bytes: int = 25 << 20
+    max_audio_seconds: float = 600.0
+    max_audio_decoded_bytes: int = 256 << 20
+    allowed_audio_containers: tuple[str, ...] = ("wav", "flac", "mp3", "ogg", "webm", "mp4")
+    max_videos: int = 4
+    max_video_bytes: int = 64 << 20
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 36_000
+    max_video_frame_pixels: int = 3840 * 2160
+    allowed_video_containers: tuple[str, ...] = ("mp4", "webm")
     max_uuid_length: int = 256
     user_agent: str = "rankgate-image-fetcher/1"
 
@@ -75,6 +92,15 @@ class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
             "qwen_min_pixels": self.qwen_min_pixels,
             "fixed_image_tokens": self.fixed_image_tokens,
             "max_uuid_length": self.max_uuid_length,
+            "max_audios": self.max_audios,
+            "max_audio_bytes": self.max_audio_bytes,
+            "max_audio_seconds": self.max_audio_seconds,
+            "max_audio_decoded_bytes": self.max_audio_decoded_bytes,
+            "max_videos": self.max_videos,
+            "max_video_bytes": self.max_video_bytes,
+            "max_video_seconds": self.max_video_seconds,
+            "max_video_frames": self.max_video_frames,
+            "max_video_frame_pixels": self.max_video_frame_pixels,
             "connect_timeout": self.connect_timeout,
             "read_timeout": self.read_timeout,
             "total_timeout": self.total_timeout,
@@ -91,5 +117,14 @@ class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
         unknown = [f for f in self.allowed_formats if f not in _KNOWN_FORMATS]
         if unknown:
             raise ValueError(f"unknown image formats {unknown}; known: {sorted(_KNOWN_FORMATS)}")
+        for name, allowed, known in (
+            ("allowed_audio_containers", self.allowed_audio_containers, KNOWN_AUDIO_CONTAINERS),
+            ("allowed_video_containers", self.allowed_video_containers, KNOWN_VIDEO_CONTAINERS),
+        ):
+            strange = [c for c in allowed if c not in known]
+            if strange:
+                raise ValueError(
+                    f"{name} names unknown containers {strange}; known: {sorted(known)}"
+                )
         for network in self.allowed_networks:
             ipaddress.ip_network(network, strict=False)

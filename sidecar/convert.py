@@ -214,21 +214,26 @@ def _structured(message: pb.DecodingParameters, structured: StructuredOutput) ->
         raise InvalidRequest(f"unknown structured output kind {kind!r}")
 
 
+_MODALITIES = {
+    "image": pb.MODALITY_IMAGE,
+    "audio": pb.MODALITY_AUDIO,
+    "video": pb.MODALITY_VIDEO,
+}
+
+
 def _media(item: MediaInput) -> pb.MediaItem:
     if not item.uuid:
-        raise InvalidRequest("every image needs a content identity (uuid)")
+        raise InvalidRequest(f"every {item.modality} needs a content identity (uuid)")
+    modality = _MODALITIES[item.modality]
     if item.data is not None:
         return pb.MediaItem(
-            modality=pb.MODALITY_IMAGE,
-            raw_bytes=item.data,
-            mime_type=item.mime_type,
-            uuid=item.uuid,
+            modality=modality, raw_bytes=item.data, mime_type=item.mime_type, uuid=item.uuid
         )
     if item.url:
         return pb.MediaItem(
-            modality=pb.MODALITY_IMAGE, url=item.url, mime_type=item.mime_type, uuid=item.uuid
+            modality=modality, url=item.url, mime_type=item.mime_type, uuid=item.uuid
         )
-    raise InvalidRequest(f"image {item.uuid} has neither bytes nor a URL")
+    raise InvalidRequest(f"{item.modality} {item.uuid} has neither bytes nor a URL")
 
 
 def encode_transfer_params(target: Any, params: dict[str, Any]) -> None:

@@ -61,10 +61,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
-    """One image ready for vLLM: either its bytes or a URL vLLM fetches itself.
+    """One image, audio clip or video ready for vLLM: its bytes or a URL vLLM fetches itself.
 
     ``uuid`` is the content identity shared by vLLM's caches and our router; ``num_tokens`` is
-    how many prompt tokens the image expands to, when known.
+    how many prompt tokens the item expands to, when known.
     """
 
     uuid: str
@@ -72,9 +72,10 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes | None = None
     url: str | None = None
     num_tokens: int | None = None
-    # Index of this image's placeholder token in ``prompt_token_ids``, when the app knows it:
-    # lets the router expand the image in place and match the blocks it fills.
+    # Index of this item's placeholder token in ``prompt_token_ids``, when the app knows it:
+    # lets the router expand the item in place and match the blocks it fills.
     position: int | None = None
+    modality: Literal["image", "audio", "video"] = "image"
 
 
 Metadata = tuple[tuple[str, str], ...]

@@ -28,9 +28,11 @@ from rankgate.app.prepare.tokenizer import TextTokenizer
 from rankgate.app.respond.parsers import OutputPlan, Tool, Vocabulary, plan_for
 from rankgate.app.schemas.requests import (
     AssistantMessage,
+    AudioUrlPart,
     ChatCompletionRequest,
     DeveloperMessage,
     ImageUrlPart,
+    InputAudioPart,
     Message,
     NamedToolChoice,
     RefusalPart,
@@ -38,8 +40,9 @@ from rankgate.app.schemas.requests import (
     TextPart,
     ToolMessage,
     UserMessage,
+    VideoUrlPart,
 )
-from rankgate.multimodal import ImageError, ImageRef, ImagesOverBudget
+from rankgate.multimodal import MediaError, MediaKind, MediaOverBudget, MediaRef
 from rankgate.sidecar import (
     Delta,
     MediaInput,
@@ -72,11 +75,15 @@ class ChatSettings:
     tool_call_parser: str | None
     reasoning_parser: str | None
     image_placeholder: str | None
-    # Whether the engine advertises ``supports_multimodal``; image parts are refused if not.
+    # Whether the engine advertises ``supports_multimodal``; media parts are refused if not.
     supports_images: bool = True
     # The placeholder's token id when the operator names it (``--image-token-id``); else the
     # tokenizer's id for ``image_placeholder``.
     image_token_id: int | None = None
+    # The tokens that stand for one audio clip and one video in the prompt, when the
+    # tokenizer has them (their ids are the tokenizer's).
+    audio_placeholder: str | None = None
+    video_placeholder: str | None = None
     # The tokenizer's markers and special tokens, as the output parsers need them.
     vocabulary: Vocabulary = field(default_factory=Vocabulary)
 
@@ -103,14 +110,37 @@ def _text_of(content: str | list[Any], sep: str = "\n") -> str:
     return sep.join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
 
 
-class _Converter:
-    """Messages as the dicts a chat template reads, collecting image parts on the way."""
+_NOUNS: dict[MediaKind, str] = {"image": "images", "audio": "audio", "video": "video"}
 
-    def __init__(self, fmt: ContentFormat, placeholder: str | None, limits: InputLimits) -> None:
+
+def _media_part(part: Any) -> MediaRef | None:
+    """The media reference an image, audio or video content part stands for."""
+    if isinstance(part, ImageUrlPart):
+        return MediaRef(url=part.image_url.url, uuid=part.uuid, detail=part.image_url.detail)
+    if isinstance(part, InputAudioPart):
+        audio = part.input_audio
+        url = f"data:audio/{audio.format.lower()};base64,{audio.data}"
+        return MediaRef(url=url, uuid=part.uuid, kind="audio")
+    if isinstance(part, AudioUrlPart):
+        return MediaRef(url=part.audio_url.url, uuid=part.uuid, kind="audio")
+    if isinstance(part, VideoUrlPart):
+        return MediaRef(url=part.video_url.url, uuid=part.uuid, kind="video")
+    return None
+
+
+class _Converter:
+    """Messages as the dicts a chat template reads, collecting media parts on the way."""
+
+    def __init__(
+        self,
+        fmt: ContentFormat,
+        placeholders: dict[MediaKind, str | None],
+        limits: InputLimits,
+    ) -> None:
         self.fmt = fmt
-        self.placeholder = placeholder
+        self.placeholders = placeholders
         self.limits = limits
-        self.images: list[ImageRef] = []
+        self.media: list[MediaRef] = []
 
     def content(self, content: str | list[Any] | None, where: str) -> Any:
         if content is None:
@@ -119,7 +149,7 @@ class _Converter:
             return [{"type": "text", "text": content}] if self.fmt == "openai" else content
         parts: list[dict[str, Any]] = []
         texts: list[str] = []
-        images = 0
+        marks: list[str] = []
         for j, part in enumerate(content):
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
@@ -127,24 +157,25 @@ class _Converter:
             elif isinstance(part, RefusalPart):
                 parts.append({"type": "text", "text": part.refusal})
                 texts.append(part.refusal)
-            elif isinstance(part, ImageUrlPart):
-                self.images.append(
-                    ImageRef(url=part.image_url.url, uuid=part.uuid, detail=part.image_url.detail)
-                )
-                parts.append({"type": "image"})
-                images += 1
-                if self.fmt == "string" and self.placeholder is None:
-                    raise invalid(
-                        "this model's chat template has no image placeholder; images are not "
-                        "supported",
-                        f"{where}.content[{j}]",
-                    )
+            else:
+                ref = _media_part(part)
+                assert ref is not None
+                self.media.append(ref)
+                parts.append({"type": ref.kind})
+                if self.fmt == "string":
+                    placeholder = self.placeholders.get(ref.kind)
+                    if placeholder is None:
+                        raise invalid(
+                            f"this model's chat template has no {ref.kind} placeholder; "
+                            f"{_NOUNS[ref.kind]} are not supported",
+                            f"{where}.content[{j}]",
+                        )
+                    marks.append(placeholder)
         if self.fmt == "openai":
             return parts
         text = "\n".join(texts)
-        if images:
-            assert self.placeholder is not None
-            text = "\n".join([self.placeholder] * images + ([text] if text else []))
+        if marks:
+            text = "\n".join(marks + ([text] if text else []))
         return text
 
     def message(self, message: Message, i: int) -> dict[str, Any]:
@@ -211,9 +242,23 @@ class ChatPreparer:
         self._settings = settings
         self._media = media
         self._prompts = PromptCache()
-        self._image_token = settings.image_token_id
-        if self._image_token is None and settings.image_placeholder:
-            self._image_token = tokenizer.token_id(settings.image_placeholder)
+        image_token = settings.image_token_id
+        if image_token is None and settings.image_placeholder:
+            image_token = tokenizer.token_id(settings.image_placeholder)
+        self._placeholders: dict[MediaKind, str | None] = {
+            "image": settings.image_placeholder,
+            "audio": settings.audio_placeholder,
+            "video": settings.video_placeholder,
+        }
+        self._media_tokens: dict[MediaKind, int | None] = {
+            "image": image_token,
+            "audio": tokenizer.token_id(settings.audio_placeholder)
+            if settings.audio_placeholder
+            else None,
+            "video": tokenizer.token_id(settings.video_placeholder)
+            if settings.video_placeholder
+            else None,
+        }
 
     async def prepare(
         self,
@@ -236,8 +281,8 @@ class ChatPreparer:
         rank = self._check_fields(req, rank)
         template = self._require_template()
         plan, structured = self._constraint(req)
-        ids, images = await self._render(req, template, body_size, max_model_len)
-        media = await self._fit_images(req, ids, images, max_model_len) if images else ()
+        ids, refs = await self._render(req, template, body_size, max_model_len)
+        media = await self._fit_media(req, ids, refs, max_model_len) if refs else ()
         requested = req.max_completion_tokens or req.max_tokens
         # vLLM checks the context against the prompt with each image expanded.
         expanded_len = len(ids) + sum((item.num_tokens or 1) - 1 for item in media)
@@ -255,7 +300,7 @@ class ChatPreparer:
                 logprobs=top,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens and not plan.needs_special_tokens,
-                prompt_token_ids=not counts_known and self._image_token is not None,
+                prompt_token_ids=not counts_known and self._placed(media),
             ),
             structured=structured,
             n=req.n,
@@ -287,6 +332,13 @@ class ChatPreparer:
         rank = resolve_rank(req.data_parallel_rank, rank)
         if req.modalities is not None and req.modalities != ["text"]:
             raise unsupported("modalities", 'supports only ["text"]')
+        for name in ("media_io_kwargs", "mm_processor_kwargs"):
+            if getattr(req, name):
+                raise unsupported(
+                    name,
+                    "is not supported: vLLM's gRPC API takes no per-request media settings, so "
+                    "the engine's own apply",
+                )
         check_fanout(1, req.n, self._limits)
         if req.kv_transfer_params:
             check_engine_json(req.kv_transfer_params, "kv_transfer_params")
@@ -313,32 +365,35 @@ class ChatPreparer:
             )
         return plan, forced
 
-    async def _fit_images(
+    async def _fit_media(
         self,
         req: ChatCompletionRequest,
         ids: tuple[int, ...],
-        images: list[ImageRef],
+        refs: list[MediaRef],
         max_model_len: int,
     ) -> tuple[MediaInput, ...]:
-        """The images as engine media, each where it sits in the prompt, within what the
-        context leaves them: the text around them and the tokens asked for (at least one)
-        take the rest. Over that, vLLM's error for the prompt, counted from their headers."""
+        """The media as engine inputs, each where it sits in the prompt (in prompt order),
+        within what the context leaves them: the text around them and the tokens asked for
+        (at least one) take the rest. Over that, vLLM's error for the prompt, counted before
+        any item is decoded."""
         asked = req.max_completion_tokens or req.max_tokens or 1
-        text_len = len(ids) - len(images)
+        text_len = len(ids) - len(refs)
         try:
-            media, positions = await self._images(ids, images, max_model_len - text_len - asked)
-        except ImagesOverBudget as exc:
+            media, positions = await self._media_inputs(ids, refs, max_model_len - text_len - asked)
+        except MediaOverBudget as exc:
             self._stopping(req, text_len + exc.tokens, max_model_len)
             raise ApiError(
                 400, exc.message, param="messages", code="context_length_exceeded"
             ) from None
         if positions is None:
             return media
-        # Where each image sits lets the router expand it and match the blocks it fills.
-        return tuple(
-            msgspec.structs.replace(item, position=position)
-            for item, position in zip(media, positions, strict=True)
-        )
+        # Where each item sits lets the router expand it and match the blocks it fills.
+        placed = sorted(zip(positions, media, strict=True), key=lambda pair: pair[0])
+        return tuple(msgspec.structs.replace(item, position=where) for where, item in placed)
+
+    def _placed(self, media: tuple[MediaInput, ...]) -> bool:
+        """Whether the placeholder of every kind in ``media`` has a known token id."""
+        return all(self._media_tokens[item.modality] is not None for item in media)
 
     def _stopping(
         self, req: ChatCompletionRequest, prompt_len: int, max_model_len: int
@@ -362,21 +417,21 @@ class ChatPreparer:
         image placeholder expanded to the tokens the engine makes of that image; a text surely
         longer than ``max_model_len`` tokens is refused before it is tokenized."""
         template = self._require_template()
-        ids, images = await self._render(req, template, body_size, max_model_len)
-        if not images:
+        ids, refs = await self._render(req, template, body_size, max_model_len)
+        if not refs:
             return ids
-        media, positions = await self._images(ids, images)
+        media, positions = await self._media_inputs(ids, refs)
         if positions is None or any(item.num_tokens is None for item in media):
             raise ApiError(
                 400,
-                "the number of tokens this model makes of these images is not known yet; "
-                "send them once through /v1/chat/completions, or tokenize without images",
+                "the number of tokens this model makes of these media is not known yet; "
+                "send them once through /v1/chat/completions, or tokenize without them",
                 param="messages",
                 code="image_tokens_unknown",
             )
         expanded: list[int] = []
         last = 0
-        for item, position in zip(media, positions, strict=True):
+        for position, item in sorted(zip(positions, media, strict=True), key=lambda p: p[0]):
             assert item.num_tokens is not None
             expanded.extend(ids[last:position])
             expanded.extend([ids[position]] * item.num_tokens)
@@ -401,31 +456,19 @@ class ChatPreparer:
         template: ChatTemplate,
         body_size: int,
         max_model_len: int | None = None,
-    ) -> tuple[tuple[int, ...], list[ImageRef]]:
+    ) -> tuple[tuple[int, ...], list[MediaRef]]:
         """The messages rendered with the template and tokenized, and their images; off the
         event loop when the body is large (``body_size`` bytes: every field counts). A text
         surely longer than ``max_model_len`` tokens is refused before it is tokenized."""
         offload = body_size > OFFLOAD_BYTES
-        converter = _Converter(
-            template.content_format, self._settings.image_placeholder, self._limits
-        )
+        converter = _Converter(template.content_format, self._placeholders, self._limits)
 
         def convert() -> list[dict[str, Any]]:
             return [converter.message(m, i) for i, m in enumerate(req.messages)]
 
         messages = await asyncio.to_thread(convert) if offload else convert()
-        if converter.images and self._media is None:
-            raise unsupported(
-                "messages", "contains image parts, which this gateway cannot serve yet"
-            )
-        if converter.images and not self._settings.supports_images:
-            raise ApiError(
-                400,
-                f"`messages` contains images, but the model `{req.model}` does not support "
-                "image input.",
-                param="messages",
-                code="model_not_multimodal",
-            )
+        if converter.media:
+            self._check_media_served(converter.media, req.model)
         extra = dict(req.chat_template_kwargs or {})
         clash = _RESERVED_KWARGS.intersection(extra)
         if clash:
@@ -478,31 +521,60 @@ class ChatPreparer:
                 self._prompts.put(key, ids)
         if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
             ids = ids[-req.truncate_prompt_tokens :]
-        return ids, converter.images
+        return ids, converter.media
 
-    async def _images(
-        self, ids: tuple[int, ...], images: list[ImageRef], budget: int | None = None
+    def _check_media_served(self, refs: list[MediaRef], model: str) -> None:
+        kinds = [kind for kind in _NOUNS if any(ref.kind == kind for ref in refs)]
+        if self._media is None:
+            raise unsupported(
+                "messages",
+                f"contains {' and '.join(_NOUNS[k] for k in kinds)} parts, which this gateway "
+                "cannot serve yet",
+            )
+        if not self._settings.supports_images:
+            raise ApiError(
+                400,
+                f"`messages` contains {' and '.join(_NOUNS[k] for k in kinds)}, but the model "
+                f"`{model}` does not support {' or '.join(kinds)} input.",
+                param="messages",
+                code="model_not_multimodal",
+            )
+
+    async def _media_inputs(
+        self, ids: tuple[int, ...], refs: list[MediaRef], budget: int | None = None
     ) -> tuple[tuple[MediaInput, ...], list[int] | None]:
-        """The prepared images and where their placeholders sit in ``ids`` (None when the
-        placeholder's token id is unknown)."""
+        """The prepared media, in ``refs`` order, and where each placeholder sits in ``ids``
+        (None when a placeholder's token id is unknown): the n-th item of a kind is the n-th
+        placeholder of that kind."""
         assert self._media is not None
-        positions: list[int] | None = None
-        image_token = self._image_token
-        if image_token is not None:
-            positions = [i for i, token in enumerate(ids) if token == image_token]
-            if len(positions) != len(images):
+        at = [0] * len(refs)
+        placed = True
+        for kind in _NOUNS:
+            members = [i for i, ref in enumerate(refs) if ref.kind == kind]
+            if not members:
+                continue
+            token = self._media_tokens[kind]
+            if token is None:
+                placed = False
+                break
+            found = [i for i, t in enumerate(ids) if t == token]
+            if len(found) != len(members):
                 raise invalid(
-                    f"the rendered prompt has {len(positions)} image placeholders for "
-                    f"{len(images)} images",
+                    f"the rendered prompt has {len(found)} {kind} placeholders for "
+                    f"{len(members)} {_NOUNS[kind]}",
                     "messages",
                 )
+            for member, where in zip(members, found, strict=True):
+                at[member] = where
+        positions = at if placed else None
         try:
-            media = await self._media.prepare(images, budget)
-        except ImagesOverBudget:
+            media = await self._media.prepare(refs, budget)
+        except MediaOverBudget:
             raise
-        except ImageError as exc:
+        except MediaError as exc:
+            noun = exc.label.partition(" ")[0]
             raise ApiError(
-                exc.status, exc.message, param="messages", code="invalid_image"
+                exc.status, exc.message, param="messages", code=f"invalid_{noun}"
             ) from None
         return media, positions
 

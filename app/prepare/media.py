@@ -1,7 +1,7 @@
-"""The hook through which chat requests' image parts become vLLM media inputs.
+"""The hook through which chat requests' media parts become vLLM media inputs.
 
 The multimodal package supplies the implementation (``multimodal.MediaPreparer``); until one
-is installed on the gateway, requests with image parts are refused with a 400.
+is installed on the gateway, requests with media parts are refused with a 400.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from rankgate.multimodal import ImageRef
+from rankgate.multimodal import MediaRef
 from rankgate.sidecar import EngineInfo, MediaInput
 
 
@@ -18,10 +18,10 @@ class MediaHook(Protocol):
         """The discovered engine's model decides how many tokens an image becomes."""
 
     async def prepare(
-        self, images: Sequence[ImageRef], token_budget: int | None = None
+        self, items: Sequence[MediaRef], token_budget: int | None = None
     ) -> tuple[MediaInput, ...]:
-        """The images as media inputs; with ``token_budget``, images whose headers already
-        show they cannot fit it are refused before any is decoded."""
+        """The items as media inputs, in order; with ``token_budget``, items that surely
+        cannot fit it are refused before any is decoded."""
         ...
 
     def observe(
@@ -31,9 +31,12 @@ class MediaHook(Protocol):
         expanded_prompt_tokens: int,
         expanded_ids: Sequence[int] | None = None,
     ) -> None:
-        """vLLM's expanded prompt teaches the token counts of images it has seen: each image's
+        """vLLM's expanded prompt teaches the token counts of items it has seen: each item's
         run in ``expanded_ids`` when vLLM returned them, else what the length pins down."""
 
 
-# Tokens that commonly stand for "one image here" in chat templates, most specific first.
+# Tokens that commonly stand for "one image / audio clip / video here" in chat templates,
+# most specific first.
 IMAGE_PLACEHOLDERS = ("<|image|>", "<|image_pad|>", "<image>", "<|IMAGE|>", "[IMG]")
+AUDIO_PLACEHOLDERS = ("<|audio_pad|>", "<|AUDIO|>", "<|audio|>", "<audio>")
+VIDEO_PLACEHOLDERS = ("<|video_pad|>", "<|video|>", "<video>")

@@ -26,6 +26,8 @@ from rankgate.app.schemas.requests import (
     FunctionDefinition,
     ImageUrl,
     ImageUrlPart,
+    InputAudio,
+    InputAudioPart,
     JsonSchemaSpec,
     Message,
     NamedFunction,
@@ -38,6 +40,7 @@ from rankgate.app.schemas.requests import (
     ToolCall,
     ToolMessage,
     UserMessage,
+    UserPart,
 )
 from rankgate.app.schemas.responses_api import (
     INPUT_ITEM_TYPES,
@@ -45,6 +48,7 @@ from rankgate.app.schemas.responses_api import (
     FormatJsonSchema,
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputAudioContent,
     InputImage,
     InputItem,
     InputText,
@@ -262,8 +266,8 @@ def _text_parts(parts: list[Any], where: str) -> list[TextPart]:
     return out
 
 
-def _user_parts(parts: list[Any], where: str) -> list[TextPart | ImageUrlPart]:
-    out: list[TextPart | ImageUrlPart] = []
+def _user_parts(parts: list[Any], where: str) -> list[UserPart]:
+    out: list[UserPart] = []
     for j, part in enumerate(parts):
         if isinstance(part, InputText):
             out.append(TextPart(text=part.text))
@@ -275,9 +279,12 @@ def _user_parts(parts: list[Any], where: str) -> list[TextPart | ImageUrlPart]:
                 raise unsupported(param, "is not supported: send the image as image_url")
             detail = part.detail if part.detail in ("low", "high", "auto") else None
             out.append(ImageUrlPart(image_url=ImageUrl(url=part.image_url, detail=detail)))
+        elif isinstance(part, InputAudioContent):
+            audio = InputAudio(data=part.input_audio.data, format=part.input_audio.format)
+            out.append(InputAudioPart(input_audio=audio))
         else:
             raise invalid(
-                "a user message holds input_text and input_image parts only",
+                "a user message holds input_text, input_image and input_audio parts only",
                 f"{where}.content[{j}]",
             )
     return out

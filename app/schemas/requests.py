@@ -47,11 +47,39 @@ class ImageUrlPart(Struct, tag_field="type", tag="image_url", **_STRICT):
     uuid: str | None = None
 
 
+# A format names the container of ``input_audio`` data; it becomes part of a data: URI.
+AudioFormat = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9.+-]{0,15}$")]
+
+
+class InputAudio(Struct, **_STRICT):
+    data: NonEmpty
+    format: AudioFormat
+
+
+class InputAudioPart(Struct, tag_field="type", tag="input_audio", **_STRICT):
+    input_audio: InputAudio
+    uuid: str | None = None
+
+
+class MediaUrl(Struct, **_STRICT):
+    url: NonEmpty
+
+
+class AudioUrlPart(Struct, tag_field="type", tag="audio_url", **_STRICT):
+    audio_url: MediaUrl
+    uuid: str | None = None
+
+
+class VideoUrlPart(Struct, tag_field="type", tag="video_url", **_STRICT):
+    video_url: MediaUrl
+    uuid: str | None = None
+
+
 class RefusalPart(Struct, tag_field="type", tag="refusal", **_STRICT):
     refusal: str
 
 
-UserPart = TextPart | ImageUrlPart
+UserPart = TextPart | ImageUrlPart | InputAudioPart | AudioUrlPart | VideoUrlPart
 AssistantPart = TextPart | RefusalPart
 
 
@@ -240,6 +268,9 @@ class ChatCompletionRequest(SamplingFields, **_STRICT):
     documents: list[dict[str, str]] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None
+    # vLLM's per-request media knobs: refused unless empty (gRPC has no field for them).
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     # Refused when set; see docs/openai-fields.md.
     functions: list[Any] | None = None
     function_call: Any | None = None

@@ -48,6 +48,15 @@ class InputImage(Struct, tag_field="type", tag="input_image", **_STRICT):
     prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
+class InputAudioData(Struct, **_STRICT):
+    data: NonEmpty
+    format: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9.+-]{0,15}$")]
+
+
+class InputAudioContent(Struct, tag_field="type", tag="input_audio", **_STRICT):
+    input_audio: InputAudioData
+
+
 class OutputText(Struct, tag_field="type", tag="output_text", **_STRICT):
     text: str
     annotations: list[Any] = []
@@ -66,7 +75,7 @@ class SummaryText(Struct, tag_field="type", tag="summary_text", **_STRICT):
     text: str
 
 
-ContentPart = InputText | InputImage | OutputText | Refusal
+ContentPart = InputText | InputImage | InputAudioContent | OutputText | Refusal
 
 
 class MessageItem(Struct, **_STRICT):

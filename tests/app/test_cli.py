@@ -23,6 +23,20 @@ def test_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.tokenizer is None
 
 
+def test_a_repeatable_flag_not_given_keeps_its_settings_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = build_parser().parse_args(["serve", "--audio-containers", "wav"])
+    media = settings_from_args(args).media
+    assert media.allowed_audio_containers == ("wav",)
+    assert media.allowed_video_containers == ("mp4", "webm")
+    monkeypatch.setenv("RANKGATE_VIDEO_CONTAINERS", "webm,avi")
+    media = settings_from_args(build_parser().parse_args(["serve"])).media
+    assert media.allowed_video_containers == ("webm", "avi")
+    with pytest.raises(SystemExit, match="unknown containers"):
+        settings_from_args(build_parser().parse_args(["serve", "--audio-containers", "wma"]))
+
+
 def test_env_defaults_and_flag_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANKGATE_ENGINE", "vllm:50051")
     monkeypatch.setenv("RANKGATE_PORT", "8123")

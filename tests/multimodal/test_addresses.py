@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rankgate.multimodal.addresses import AddressPolicy, GuardedBackend, system_resolver
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from tests.multimodal.conftest import PUBLIC_IP, table_resolver
 
 
@@ -40,7 +40,7 @@ from tests.multimodal.conftest import PUBLIC_IP, table_resolver
     ],
 )
 async def test_non_public_literals_are_refused(host: str, kind: str) -> None:
-    with pytest.raises(ImageRefused, match=f"an? {kind} address; fetching it is not allowed"):
+    with pytest.raises(MediaRefused, match=f"an? {kind} address; fetching it is not allowed"):
         await AddressPolicy().resolve_allowed(host, 80)
 
 
@@ -61,7 +61,7 @@ async def test_public_addresses_pass() -> None:
 )
 async def test_names_are_judged_by_every_resolved_address(host: str, address: str) -> None:
     policy = AddressPolicy(resolver=table_resolver)
-    with pytest.raises(ImageRefused, match=re.escape(f"host {host} resolves to {address}")):
+    with pytest.raises(MediaRefused, match=re.escape(f"host {host} resolves to {address}")):
         await policy.resolve_allowed(host, 80)
 
 
@@ -69,12 +69,12 @@ async def test_allow_list_admits_listed_networks_only() -> None:
     policy = AddressPolicy(["127.0.0.0/8", "10.1.0.0/16"], resolver=table_resolver)
     assert await policy.resolve_allowed("127.0.0.1", 80) == ("127.0.0.1",)
     assert await policy.resolve_allowed("intranet.example.com", 80) == ("10.1.2.3",)
-    with pytest.raises(ImageRefused, match="private"):
+    with pytest.raises(MediaRefused, match="private"):
         await policy.resolve_allowed("10.2.0.1", 80)
 
 
 async def test_unresolvable_host_is_refused() -> None:
-    with pytest.raises(ImageRefused, match=r"cannot resolve host nowhere\.invalid"):
+    with pytest.raises(MediaRefused, match=r"cannot resolve host nowhere\.invalid"):
         await AddressPolicy(resolver=table_resolver).resolve_allowed("nowhere.invalid", 80)
 
 
@@ -95,7 +95,7 @@ async def _listener() -> tuple[asyncio.Server, int]:
 async def test_guarded_backend_refuses_then_allows_a_real_loopback_socket() -> None:
     server, port = await _listener()
     try:
-        with pytest.raises(ImageRefused, match="loopback"):
+        with pytest.raises(MediaRefused, match="loopback"):
             await GuardedBackend(AddressPolicy()).connect_tcp("127.0.0.1", port)
         stream = await GuardedBackend(AddressPolicy(["127.0.0.1/32"])).connect_tcp(
             "127.0.0.1", port

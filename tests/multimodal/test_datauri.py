@@ -5,7 +5,7 @@ import base64
 import pytest
 
 from rankgate.multimodal.datauri import parse_data_uri
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 
 
 def test_base64_and_percent_encoded_payloads() -> None:
@@ -26,14 +26,14 @@ def test_base64_and_percent_encoded_payloads() -> None:
     ],
 )
 def test_bad_uris_are_refused(uri: str, reason: str) -> None:
-    with pytest.raises(ImageRefused, match=reason):
+    with pytest.raises(MediaRefused, match=reason):
         parse_data_uri(uri, 100)
 
 
 def test_oversize_payload_is_refused_before_and_after_decoding() -> None:
     big = "data:image/png;base64," + "A" * 4000
-    with pytest.raises(ImageRefused, match="about 3000 bytes is over the limit of 100 bytes"):
+    with pytest.raises(MediaRefused, match="about 3000 bytes is over the limit of 100 bytes"):
         parse_data_uri(big, 100)
     edge = "data:image/png;base64," + base64.b64encode(b"x" * 101).decode()
-    with pytest.raises(ImageRefused, match="101 bytes is over the limit of 100 bytes"):
+    with pytest.raises(MediaRefused, match="101 bytes is over the limit of 100 bytes"):
         parse_data_uri(edge, 100)

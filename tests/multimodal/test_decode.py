@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from rankgate.multimodal.decode import DecodeLimits, ImageDecoder, decode_image, sniff_format
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import content_identity
 from tests.multimodal.pictures import encode, noise, png_claiming
 
@@ -16,7 +16,7 @@ LIMITS = DecodeLimits(("JPEG", "PNG", "WEBP", "GIF"), 4_000_000)
 
 
 def refusal(data: bytes, limits: DecodeLimits = LIMITS) -> str:
-    with pytest.raises(ImageRefused) as caught:
+    with pytest.raises(MediaRefused) as caught:
         decode_image(data, limits)
     assert caught.value.status == 400
     return caught.value.reason
@@ -119,7 +119,7 @@ async def test_decoder_pool_decodes_concurrently_and_recalls_repeats() -> None:
         assert again.uuid == first[0].uuid
         assert again.data == datas[0]
         assert (decoder.decoded, decoder.recalled) == (4, 1)
-        with pytest.raises(ImageRefused):
+        with pytest.raises(MediaRefused):
             await decoder.decode(b"nope")
     finally:
         decoder.close()

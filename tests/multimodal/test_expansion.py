@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.expansion import (
     FixedTokens,
     LearnedTokenCounts,
@@ -44,7 +44,7 @@ def test_qwen_budget_caps_large_images() -> None:
 @given(st.integers(1, 4000), st.integers(1, 4000))
 def test_qwen_sides_are_multiples_and_area_stays_in_budget(width: int, height: int) -> None:
     if max(width, height) / min(width, height) > 200:
-        with pytest.raises(ImageRefused, match="aspect ratio"):
+        with pytest.raises(MediaRefused, match="aspect ratio"):
             QWEN25_BUDGET.tokens(width, height)
         return
     w_bar, h_bar = QWEN25_BUDGET.resized(width, height)

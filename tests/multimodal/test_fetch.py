@@ -15,7 +15,7 @@ import pytest
 import respx
 
 from rankgate.multimodal import MediaConfig, MediaPreparer
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.fetch import ImageFetcher
 from tests.multimodal.conftest import MakePreparer
 
@@ -28,7 +28,7 @@ def fetcher(make_preparer: MakePreparer, **config: object) -> ImageFetcher:
 
 
 async def refused(fetch: ImageFetcher, url: str = URL) -> str:
-    with pytest.raises(ImageRefused) as caught:
+    with pytest.raises(MediaRefused) as caught:
         await fetch.fetch(url)
     return caught.value.reason
 

@@ -19,8 +19,8 @@ from PIL import Image
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
-from rankgate.multimodal.errors import ImageError, ImagesOverBudget
-from rankgate.multimodal.types import ImageRef
+from rankgate.multimodal.errors import MediaError, MediaOverBudget
+from rankgate.multimodal.types import MediaRef
 from tests.app.serving import serve_app
 from tests.multimodal.pictures import data_uri, encode, noise, png_claiming
 from tests.support.engines import EngineUnderTest
@@ -102,12 +102,12 @@ def test_the_tokens_asked_for_count_against_the_images(gateway: httpx.Client) ->
 async def test_a_corrupt_image_before_one_that_fails_to_load_is_the_refusal() -> None:
     preparer = MediaPreparer(MediaConfig(token_family="qwen2_vl"))
     try:
-        with pytest.raises(ImageError) as caught:
+        with pytest.raises(MediaError) as caught:
             await preparer.prepare(
-                [ImageRef(data_uri(png_claiming(64, 64))), ImageRef("data:image/png;base64,@@")],
+                [MediaRef(data_uri(png_claiming(64, 64))), MediaRef("data:image/png;base64,@@")],
                 token_budget=10_000,
             )
         assert caught.value.index == 0
-        assert not isinstance(caught.value, ImagesOverBudget)
+        assert not isinstance(caught.value, MediaOverBudget)
     finally:
         await preparer.aclose()

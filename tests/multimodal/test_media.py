@@ -6,7 +6,7 @@ import httpx
 import pytest
 import respx
 
-from rankgate.multimodal import ImageError, ImageRef
+from rankgate.multimodal import MediaError, MediaRef
 from rankgate.multimodal.identity import content_identity, url_identity
 from tests.multimodal.conftest import MakePreparer
 from tests.multimodal.pictures import data_uri, encode, noise, png_claiming
@@ -16,9 +16,9 @@ DOG = "https://cdn.example.com/dog.jpg"
 
 
 async def image_error(
-    make_preparer: MakePreparer, refs: list[ImageRef], **config: object
-) -> ImageError:
-    with pytest.raises(ImageError) as caught:
+    make_preparer: MakePreparer, refs: list[MediaRef], **config: object
+) -> MediaError:
+    with pytest.raises(MediaError) as caught:
         await make_preparer(**config).prepare(refs)
     return caught.value
 
@@ -29,7 +29,7 @@ async def test_url_and_data_uri_become_media_inputs(make_preparer: MakePreparer)
     cat_webp = encode(cat, "WEBP", lossless=True)
     respx.get(CAT).respond(200, content=cat_webp)
     dog_png = encode(dog, "PNG")
-    media = await make_preparer().prepare([ImageRef(CAT), ImageRef(data_uri(dog_png))])
+    media = await make_preparer().prepare([MediaRef(CAT), MediaRef(data_uri(dog_png))])
     assert [m.uuid for m in media] == [content_identity(cat_webp), content_identity(dog_png)]
     assert [m.mime_type for m in media] == ["image/webp", "image/png"]
     assert [m.data for m in media] == [cat_webp, dog_png]
@@ -44,10 +44,10 @@ async def test_same_bytes_any_transport_one_uuid(make_preparer: MakePreparer) ->
     respx.get(CAT).respond(200, content=webp)
     respx.get(DOG).respond(200, content=png)
     refs = [
-        ImageRef(CAT),
-        ImageRef(DOG),
-        ImageRef(data_uri(png)),
-        ImageRef(data_uri(webp, "image/webp")),
+        MediaRef(CAT),
+        MediaRef(DOG),
+        MediaRef(data_uri(png)),
+        MediaRef(data_uri(webp, "image/webp")),
     ]
     media = await make_preparer().prepare(refs)
     ids = [content_identity(webp), content_identity(png)]
@@ -60,7 +60,7 @@ async def test_repeated_images_are_fetched_and_decoded_once(make_preparer: MakeP
     inline = data_uri(encode(noise(20, 20, seed=5), "PNG"))
     preparer = make_preparer()
     media = await preparer.prepare(
-        [ImageRef(CAT), ImageRef(inline), ImageRef(CAT), ImageRef(inline)]
+        [MediaRef(CAT), MediaRef(inline), MediaRef(CAT), MediaRef(inline)]
     )
     assert media[0] == media[2]
     assert media[1] == media[3]
@@ -70,7 +70,7 @@ async def test_repeated_images_are_fetched_and_decoded_once(make_preparer: MakeP
 
 async def test_client_uuid_is_used_as_given(make_preparer: MakePreparer) -> None:
     inline = data_uri(encode(noise(8, 8), "PNG"))
-    media = await make_preparer().prepare([ImageRef(inline, uuid="client-id-1"), ImageRef(inline)])
+    media = await make_preparer().prepare([MediaRef(inline, uuid="client-id-1"), MediaRef(inline)])
     assert media[0].uuid == "client-id-1"
     assert media[1].uuid == content_identity(encode(noise(8, 8), "PNG"))
 
@@ -80,7 +80,7 @@ async def test_passthrough_sends_urls_unfetched(make_preparer: MakePreparer) -> 
     route = respx.route().respond(200)
     inline = encode(noise(8, 8), "PNG")
     media = await make_preparer(mode="passthrough").prepare(
-        [ImageRef(CAT), ImageRef(data_uri(inline))]
+        [MediaRef(CAT), MediaRef(data_uri(inline))]
     )
     assert (media[0].url, media[0].data, media[0].uuid) == (CAT, None, url_identity(CAT))
     assert (media[1].data, media[1].uuid) == (inline, content_identity(inline))
@@ -89,13 +89,13 @@ async def test_passthrough_sends_urls_unfetched(make_preparer: MakePreparer) -> 
 
 async def test_qwen_model_gets_token_counts_from_the_formula(make_preparer: MakePreparer) -> None:
     preparer = make_preparer(model_id="Qwen/Qwen2.5-VL-7B-Instruct")
-    media = await preparer.prepare([ImageRef(data_uri(encode(noise(640, 480), "JPEG")))])
+    media = await preparer.prepare([MediaRef(data_uri(encode(noise(640, 480), "JPEG")))])
     assert media[0].num_tokens == 23 * 17
 
 
 async def test_other_models_learn_counts_from_vllm(make_preparer: MakePreparer) -> None:
     preparer = make_preparer(model_id="some/unknown-vlm")
-    refs = [ImageRef(data_uri(encode(noise(64, 64, seed=8), "PNG")))]
+    refs = [MediaRef(data_uri(encode(noise(64, 64, seed=8), "PNG")))]
     first = await preparer.prepare(refs)
     assert first[0].num_tokens is None
     preparer.observe(first, prompt_len=20, expanded_prompt_tokens=19 + 81)
@@ -104,15 +104,15 @@ async def test_other_models_learn_counts_from_vllm(make_preparer: MakePreparer) 
 
 
 async def test_too_many_images(make_preparer: MakePreparer) -> None:
-    inline = ImageRef(data_uri(encode(noise(4, 4), "PNG")))
+    inline = MediaRef(data_uri(encode(noise(4, 4), "PNG")))
     error = await image_error(make_preparer, [inline] * 3, max_images=2)
     assert (error.status, error.index) == (400, 2)
     assert error.message == "image 2: too many images: the request has 3, at most 2 allowed"
 
 
 async def test_too_big_data_uri(make_preparer: MakePreparer) -> None:
-    small = ImageRef(data_uri(encode(noise(4, 4), "PNG")))
-    big = ImageRef(data_uri(encode(noise(64, 64), "PNG")))
+    small = MediaRef(data_uri(encode(noise(4, 4), "PNG")))
+    big = MediaRef(data_uri(encode(noise(64, 64), "PNG")))
     error = await image_error(make_preparer, [small, big], max_image_bytes=2000)
     assert (error.status, error.index) == (400, 1)
     assert error.message.startswith("image 1: data URI payload of ")
@@ -122,7 +122,7 @@ async def test_too_big_data_uri(make_preparer: MakePreparer) -> None:
 @respx.mock
 async def test_too_big_url(make_preparer: MakePreparer) -> None:
     respx.get(CAT).respond(200, content=b"x" * 5000)
-    error = await image_error(make_preparer, [ImageRef(CAT)], max_image_bytes=4096)
+    error = await image_error(make_preparer, [MediaRef(CAT)], max_image_bytes=4096)
     assert (error.status, error.message) == (
         400,
         f"image 0: {CAT} is 5000 bytes, over the limit of 4096 bytes",
@@ -130,7 +130,7 @@ async def test_too_big_url(make_preparer: MakePreparer) -> None:
 
 
 async def test_decompression_bomb(make_preparer: MakePreparer) -> None:
-    refs = [ImageRef(data_uri(png_claiming(6000, 6000)))]
+    refs = [MediaRef(data_uri(png_claiming(6000, 6000)))]
     error = await image_error(make_preparer, refs)
     assert error.status == 400
     assert error.message == (
@@ -140,19 +140,19 @@ async def test_decompression_bomb(make_preparer: MakePreparer) -> None:
 
 
 async def test_corrupt_and_truncated(make_preparer: MakePreparer) -> None:
-    good = ImageRef(data_uri(encode(noise(8, 8), "PNG")))
+    good = MediaRef(data_uri(encode(noise(8, 8), "PNG")))
     png = encode(noise(64, 64), "PNG")
-    error = await image_error(make_preparer, [good, ImageRef(data_uri(png[: len(png) // 2]))])
+    error = await image_error(make_preparer, [good, MediaRef(data_uri(png[: len(png) // 2]))])
     assert (error.status, error.index) == (400, 1)
     assert error.message.startswith("image 1: truncated PNG data")
-    error = await image_error(make_preparer, [ImageRef(data_uri(b"garbage!"))])
+    error = await image_error(make_preparer, [MediaRef(data_uri(b"garbage!"))])
     assert error.message == (
         "image 0: corrupt or unrecognised image data (allowed: JPEG, PNG, WEBP, GIF)"
     )
 
 
 async def test_disallowed_format(make_preparer: MakePreparer) -> None:
-    bmp = ImageRef(data_uri(encode(noise(8, 8), "BMP"), "image/bmp"))
+    bmp = MediaRef(data_uri(encode(noise(8, 8), "BMP"), "image/bmp"))
     error = await image_error(make_preparer, [bmp])
     assert (error.status, error.message) == (
         400,
@@ -163,7 +163,7 @@ async def test_disallowed_format(make_preparer: MakePreparer) -> None:
 @respx.mock
 async def test_private_address(make_preparer: MakePreparer) -> None:
     route = respx.route().respond(200)
-    error = await image_error(make_preparer, [ImageRef("http://169.254.169.254/latest/")])
+    error = await image_error(make_preparer, [MediaRef("http://169.254.169.254/latest/")])
     assert (error.status, error.message) == (
         400,
         "image 0: 169.254.169.254, a link-local address; fetching it is not allowed",
@@ -174,7 +174,7 @@ async def test_private_address(make_preparer: MakePreparer) -> None:
 @respx.mock
 async def test_redirect_to_private_address(make_preparer: MakePreparer) -> None:
     respx.get(CAT).respond(302, headers={"location": "http://intranet.example.com/cat.webp"})
-    error = await image_error(make_preparer, [ImageRef(CAT)])
+    error = await image_error(make_preparer, [MediaRef(CAT)])
     assert (error.status, error.message) == (
         400,
         "image 0: host intranet.example.com resolves to 10.1.2.3, a private address; "
@@ -185,8 +185,8 @@ async def test_redirect_to_private_address(make_preparer: MakePreparer) -> None:
 @respx.mock
 async def test_timeout(make_preparer: MakePreparer) -> None:
     respx.get(DOG).mock(side_effect=httpx.ReadTimeout("slow"))
-    inline = ImageRef(data_uri(encode(noise(8, 8), "PNG")))
-    error = await image_error(make_preparer, [inline, ImageRef(DOG)])
+    inline = MediaRef(data_uri(encode(noise(8, 8), "PNG")))
+    error = await image_error(make_preparer, [inline, MediaRef(DOG)])
     assert (error.status, error.message) == (
         400,
         f"image 1: fetching {DOG} timed out while reading",
@@ -197,14 +197,14 @@ async def test_timeout(make_preparer: MakePreparer) -> None:
 async def test_allow_list_admits_a_private_host(make_preparer: MakePreparer) -> None:
     url = "http://intranet.example.com/ok.png"
     respx.get(url).respond(200, content=encode(noise(8, 8), "PNG"))
-    media = await make_preparer(allowed_networks=("10.0.0.0/8",)).prepare([ImageRef(url)])
+    media = await make_preparer(allowed_networks=("10.0.0.0/8",)).prepare([MediaRef(url)])
     assert media[0].uuid == content_identity(encode(noise(8, 8), "PNG"))
 
 
 @respx.mock
 async def test_the_lowest_index_refusal_wins(make_preparer: MakePreparer) -> None:
     respx.get(CAT).respond(404)
-    refs = [ImageRef(data_uri(b"junk")), ImageRef(CAT), ImageRef("http://10.0.0.1/x.png")]
+    refs = [MediaRef(data_uri(b"junk")), MediaRef(CAT), MediaRef("http://10.0.0.1/x.png")]
     error = await image_error(make_preparer, refs)
     assert error.index == 0
 
@@ -213,22 +213,22 @@ async def test_the_lowest_index_refusal_wins(make_preparer: MakePreparer) -> Non
     ("ref", "message"),
     [
         (
-            ImageRef("ftp://images.example.com/a.png"),
+            MediaRef("ftp://images.example.com/a.png"),
             "image url must be a data: URI or an http(s):// URL",
         ),
-        (ImageRef("data:,x", detail="ultra"), "detail must be one of auto, low, high; got 'ultra'"),
-        (ImageRef("data:,x", uuid=""), "uuid must be 1 to 256 characters"),
-        (ImageRef("data:,x", uuid="tab\there"), "uuid must be printable ASCII"),
-        (ImageRef("data:text/html,<b>hi</b>"), "data URI media type text/html is not an image"),
+        (MediaRef("data:,x", detail="ultra"), "detail must be one of auto, low, high; got 'ultra'"),
+        (MediaRef("data:,x", uuid=""), "uuid must be 1 to 256 characters"),
+        (MediaRef("data:,x", uuid="tab\there"), "uuid must be printable ASCII"),
+        (MediaRef("data:text/html,<b>hi</b>"), "data URI media type text/html is not an image"),
     ],
 )
-async def test_malformed_refs(make_preparer: MakePreparer, ref: ImageRef, message: str) -> None:
+async def test_malformed_refs(make_preparer: MakePreparer, ref: MediaRef, message: str) -> None:
     error = await image_error(make_preparer, [ref])
     assert (error.status, error.message) == (400, f"image 0: {message}")
 
 
 async def test_qwen_refuses_extreme_aspect_ratios(make_preparer: MakePreparer) -> None:
-    sliver = ImageRef(data_uri(encode(noise(1, 300), "PNG")))
+    sliver = MediaRef(data_uri(encode(noise(1, 300), "PNG")))
     error = await image_error(make_preparer, [sliver], model_id="Qwen/Qwen2-VL-2B-Instruct")
     assert (
         error.message == "image 0: aspect ratio of 1x300 is over 200, which Qwen2-VL models refuse"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rankgate.multimodal.addresses import AddressPolicy
-from rankgate.multimodal.errors import ImageRefused
+from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.transport import GuardedTransport, as_httpx_error
 
 LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=4)
@@ -43,7 +43,7 @@ def test_each_httpcore_error_becomes_its_httpx_twin(
 
 
 def test_other_errors_pass_as_they_are() -> None:
-    refusal = ImageRefused("no")
+    refusal = MediaRefused("no")
     assert as_httpx_error(refusal) is refusal
 
 
@@ -92,5 +92,5 @@ async def test_a_closed_port_is_httpx_connect_error() -> None:
 async def test_an_address_the_policy_refuses_is_never_connected() -> None:
     transport = GuardedTransport(AddressPolicy(), LIMITS)
     async with httpx.AsyncClient(transport=transport) as client:
-        with pytest.raises(ImageRefused, match="loopback"):
+        with pytest.raises(MediaRefused, match="loopback"):
             await client.get("http://127.0.0.1:9/x.png")
