@@ -277,6 +277,67 @@ def images_over_budget(gw: Gateway, timeout: float) -> Outcome:
     return _post(gw, "/v1/chat/completions", _images_body(), timeout)
 
 
+def _clip_chat(parts: list[dict[str, Any]]) -> bytes:
+    return _chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}])
+
+
+def _input_audio(data: bytes, fmt: str) -> dict[str, Any]:
+    encoded = base64.b64encode(data).decode()
+    return {"type": "input_audio", "input_audio": {"data": encoded, "format": fmt}}
+
+
+@cache
+def _audio_duration_body() -> bytes:
+    # A one-second FLAC whose STREAMINFO claims 2^36 - 1 samples: about 50 days at 16 kHz.
+    from tests.multimodal.test_clips import flac_declaring
+
+    return _clip_chat([_input_audio(flac_declaring(2**36 - 1), "flac")])
+
+
+@cache
+def _audio_decode_body() -> bytes:
+    # 20 minutes of silence at 48 kHz: a few hundred KB of FLAC, 230 MB of samples decoded.
+    from tests.multimodal.clips import encoded_audio
+
+    silence = encoded_audio("flac", "flac", seconds=1200.0, rate=48_000, tone=0.0)
+    return _clip_chat([_input_audio(silence, "flac")])
+
+
+@cache
+def _wav_scan_body() -> bytes:
+    # A WAV whose header declares 100 bytes of samples, followed by 18 MB more bytes of
+    # zeros FFmpeg walks as chunk headers.
+    from tests.multimodal.clips import wav_declaring
+
+    return _clip_chat([_input_audio(wav_declaring(100, 18 * MB), "wav")])
+
+
+@cache
+def _video_frames_body() -> bytes:
+    # A WebM of 40,000 tiny frames (WebM states no frame count: only its packets tell).
+    from tests.multimodal.clips import video
+
+    clip = video("webm", "libvpx", frames=40_000, width=16, height=16, fps=1000)
+    uri = "data:video/webm;base64," + base64.b64encode(clip).decode()
+    return _clip_chat([{"type": "video_url", "video_url": {"url": uri}}])
+
+
+def audio_duration_bomb(gw: Gateway, timeout: float) -> Outcome:
+    return _post(gw, "/v1/chat/completions", _audio_duration_body(), timeout)
+
+
+def audio_decode_bomb(gw: Gateway, timeout: float) -> Outcome:
+    return _post(gw, "/v1/chat/completions", _audio_decode_body(), timeout)
+
+
+def wav_scan_18mb(gw: Gateway, timeout: float) -> Outcome:
+    return _post(gw, "/v1/chat/completions", _wav_scan_body(), timeout)
+
+
+def video_frame_flood(gw: Gateway, timeout: float) -> Outcome:
+    return _post(gw, "/v1/chat/completions", _video_frames_body(), timeout)
+
+
 def _connection_lifetime(gw: Gateway, timeout: float, send: Callable[[socket.socket], None]) -> str:
     with socket.create_connection(("127.0.0.1", gw.port)) as sock:
         sock.settimeout(0.5)
@@ -439,6 +500,10 @@ PREPARE: dict[str, Callable[[], bytes]] = {
     "reasoning_10mb": _reasoning_body,
     "images_over_budget": _images_body,
     "tokenize_10mb": _tokenize_body,
+    "audio_duration_bomb": _audio_duration_body,
+    "audio_decode_bomb": _audio_decode_body,
+    "wav_scan_18mb": _wav_scan_body,
+    "video_frame_flood": _video_frames_body,
 }
 # Connection cases wait past the longest default deadline (the 60 s body timeout).
 LIFETIME_CASES = frozenset({"slowloris", "slow_body", "silent_connection"})
@@ -461,6 +526,10 @@ ATTACKS: dict[str, Callable[[Gateway, float], Outcome]] = {
     "client_errors": client_errors,
     "tokenize_10mb": tokenize_10mb,
     "connection_flood_3000": connection_flood,
+    "audio_duration_bomb": audio_duration_bomb,
+    "audio_decode_bomb": audio_decode_bomb,
+    "wav_scan_18mb": wav_scan_18mb,
+    "video_frame_flood": video_frame_flood,
 }
 
 

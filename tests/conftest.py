@@ -55,6 +55,7 @@ class RealEngines:
 # each with the parametrized fixtures whose "real" case stands for it.
 LATER_REAL_ENGINES = (
     ("real_llava", "image_engine"),
+    ("real_asr", "audio_engine"),
     ("real_pd", "pd_pair"),
     ("real_pd_short_lease", "pd_short_lease"),
 )
@@ -63,7 +64,8 @@ SHORT_KV_LEASE = 4
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests of the LLaVA, then of the prefill/decode pair, run last (stable otherwise)."""
+    """Tests of the LLaVA, the Qwen3-ASR, then of the prefill/decode pairs, run last (stable
+    otherwise)."""
 
     def group(item: pytest.Item) -> int:
         names = getattr(item, "fixturenames", ())
@@ -127,6 +129,24 @@ def real_llava(real_engines: RealEngines) -> RealVllm:
             dp_size=CONFORMANCE_DP,
             block_size=CONFORMANCE_BLOCK,
             model="llava",
+            dev_endpoints=True,
+            cpus=_engine_cpus(),
+            eager=True,
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def real_asr(real_engines: RealEngines) -> RealVllm:
+    """A tiny Qwen3-ASR on real vLLM (audio, random weights), DP=2, KV events on."""
+    from tests.support.real_vllm import start_real_vllm
+
+    return real_engines.get(
+        "asr",
+        lambda: start_real_vllm(
+            dp_size=CONFORMANCE_DP,
+            block_size=CONFORMANCE_BLOCK,
+            model="asr",
             dev_endpoints=True,
             cpus=_engine_cpus(),
             eager=True,

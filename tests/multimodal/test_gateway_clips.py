@@ -294,3 +294,22 @@ def test_per_request_media_settings_are_refused_unless_empty(
     refused = chat(gateway, [clip], **{field: {"video": {"num_frames": 8}}})
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == field
+
+
+def test_the_responses_api_takes_input_audio(gateway: httpx.Client) -> None:
+    clip = wav(2.0, tone=1200.0)
+    part = input_audio(clip)
+    text = {"type": "input_text", "text": QUESTION}
+    payload = {
+        "model": "tiny-llama",
+        "input": [{"role": "user", "content": [text]}],
+        "max_output_tokens": 1,
+        "temperature": 0,
+    }
+    plain = gateway.post("/v1/responses", json=payload)
+    assert plain.status_code == 200, plain.text
+    payload["input"] = [{"role": "user", "content": [text, part]}]
+    response = gateway.post("/v1/responses", json=payload)
+    assert response.status_code == 200, response.text
+    tokens = response.json()["usage"]["input_tokens"] - plain.json()["usage"]["input_tokens"]
+    assert tokens == audio_tokens(2.0)
