@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--eos-probability", type=float, default=d.eos_probability)
     a("--token-ids-only", action="store_true", help="reject text prompts")
     a("--no-multimodal", action="store_true", help="reject media")
+    a(
+        "--modalities",
+        default="image,audio,video",
+        help="comma-separated media kinds the model takes (default: %(default)s)",
+    )
     a("--lora", action="append", default=[], help="a loaded LoRA adapter name; repeat")
     a("--startup-delay", type=float, default=0.0, help="health NOT_SERVING for this long")
     a(
@@ -141,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         eos_probability=args.eos_probability,
         supports_text_input=not args.token_ids_only,
         supports_multimodal=not args.no_multimodal,
+        modalities=tuple(kind.strip() for kind in args.modalities.split(",") if kind.strip()),
         loras=tuple(args.lora),
         startup_delay_s=args.startup_delay,
         role=args.role,

@@ -87,6 +87,9 @@ class MockEngineConfig:
     # Input capabilities.
     supports_text_input: bool = True
     supports_multimodal: bool = True
+    # The media kinds the model takes (each also needs its placeholder in the tokenizer); others
+    # are refused as vLLM refuses a modality its model does not have.
+    modalities: tuple[str, ...] = ("image", "audio", "video")
     image_token_id: int | None = None
     image_patch_size: int = 28
     image_max_tokens: int = 1024
@@ -126,6 +129,9 @@ class MockEngineConfig:
             raise ConfigError("data_parallel_size_local 0 means the whole group; start must be 0")
         if self.block_size < 1:
             raise ConfigError("block_size must be positive")
+        unknown = set(self.modalities) - {"image", "audio", "video"}
+        if unknown:
+            raise ConfigError(f"unknown modalities {sorted(unknown)}; known: image, audio, video")
         if self.total_kv_blocks < self.local_size:
             raise ConfigError("total_kv_blocks must give every local rank at least one block")
         if self.max_running_requests < 1 or self.max_batched_tokens < 1:

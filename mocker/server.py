@@ -66,15 +66,23 @@ class MockServer:
         )
         policy = None
         vocab = self.vocab
-        tokens = (vocab.image_token_id, vocab.audio_token_id, vocab.video_token_id)
-        if config.supports_multimodal and any(token is not None for token in tokens):
+        kinds = config.modalities
+        tokens = {
+            kind: token if kind in kinds else None
+            for kind, token in (
+                ("image", vocab.image_token_id),
+                ("audio", vocab.audio_token_id),
+                ("video", vocab.video_token_id),
+            )
+        }
+        if config.supports_multimodal and any(token is not None for token in tokens.values()):
             policy = ImagePolicy(
-                image_token_id=vocab.image_token_id,
+                image_token_id=tokens["image"],
                 patch_size=config.image_patch_size,
                 max_tokens=config.image_max_tokens,
                 max_bytes=config.media_max_bytes,
-                audio_token_id=vocab.audio_token_id,
-                video_token_id=vocab.video_token_id,
+                audio_token_id=tokens["audio"],
+                video_token_id=tokens["video"],
             )
         self.model = TokenModel(self.vocab.output_ids, self.vocab.size)
         self.media = MediaResolver(policy)

@@ -130,10 +130,49 @@ class LearnedTokenCounts:
     stands for a new item of the same shape (:meth:`for_shape`).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, expansion_bytes: int = 16 << 20) -> None:
         self._counts: BoundedLRU[str, int] = BoundedLRU(capacity)
         self._shapes: BoundedLRU[str, Shape] = BoundedLRU(capacity)
         self._by_shape: BoundedLRU[Shape, int] = BoundedLRU(capacity)
+        # Expansions that are not one run of the placeholder, charged at a tuple's size.
+        self._expansions: BoundedLRU[str, tuple[int, ...]] = BoundedLRU(
+            expansion_bytes // 2, cost=_tuple_bytes
+        )
+        self._expansion_by_shape: BoundedLRU[Shape, tuple[int, ...]] = BoundedLRU(
+            expansion_bytes // 2, cost=_tuple_bytes
+        )
+
+    def expansion(self, uuid: str) -> tuple[int, ...] | None:
+        return self._expansions.get(uuid)
+
+    def expansion_for_shape(self, shape: Shape) -> tuple[int, ...] | None:
+        return self._expansion_by_shape.get(shape)
+
+    def observe_expansions(
+        self, media: Sequence[MediaInput], prompt: Sequence[int], expanded: Sequence[int]
+    ) -> list[str]:
+        """Learn each item's exact expansion from vLLM's expanded prompt, where it is not a run
+        of the placeholder: the text around each placeholder is the same in both prompts, so
+        what lies between is the item's. Returns the uuids learnt (none when the prompts do
+        not line up, e.g. two placeholders with nothing between them)."""
+        positions = [item.position for item in media]
+        if not media or any(p is None for p in positions):
+            return []
+        spans = _expansion_spans([p for p in positions if p is not None], prompt, expanded)
+        if spans is None:
+            return []
+        learned: list[str] = []
+        for item, (start, end) in zip(media, spans, strict=True):
+            tokens = tuple(expanded[start:end])
+            if not tokens:
+                return learned
+            self._learn(item.uuid, len(tokens))
+            self._expansions.put(item.uuid, tokens)
+            shape = self._shapes.get(item.uuid)
+            if shape is not None:
+                self._expansion_by_shape.put(shape, tokens)
+            learned.append(item.uuid)
+        return learned
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -233,3 +272,51 @@ class LearnedTokenCounts:
             return None
         self._learn(unknown, count)
         return unknown
+
+
+def _tuple_bytes(tokens: tuple[int, ...]) -> int:
+    # A tuple's header and pointers, and an int object per token (small ones are shared).
+    return 56 + 8 * len(tokens) + 32 * len(tokens)
+
+
+def _expansion_spans(
+    positions: Sequence[int], prompt: Sequence[int], expanded: Sequence[int]
+) -> list[tuple[int, int]] | None:
+    """Where each placeholder's expansion lies in ``expanded``: ``[(start, end)]``, or None.
+
+    The text after each placeholder (up to the next one, or the prompt's end) must follow its
+    expansion in ``expanded``; the last item's is fixed by the prompt's tail, the others' by
+    the first place their following text appears, checked by the whole alignment adding up.
+    """
+    spans: list[tuple[int, int]] = []
+    shift = 0
+    for index, position in enumerate(positions):
+        if index and position <= positions[index - 1]:
+            return None
+        start = position + shift
+        if start > len(expanded):
+            return None
+        following = positions[index + 1] if index + 1 < len(positions) else len(prompt)
+        text = list(prompt[position + 1 : following])
+        if index + 1 == len(positions):
+            end = len(expanded) - len(text)
+            if end < start or list(expanded[end:]) != text:
+                return None
+        else:
+            found = _find(expanded, text, start) if text else None
+            if found is None:
+                return None
+            end = found
+        spans.append((start, end))
+        shift += end - start - 1
+    if list(expanded[: positions[0]]) != list(prompt[: positions[0]]):
+        return None
+    return spans
+
+
+def _find(haystack: Sequence[int], needle: list[int], start: int) -> int | None:
+    first = needle[0]
+    for index in range(start, len(haystack) - len(needle) + 1):
+        if haystack[index] == first and list(haystack[index : index + len(needle)]) == needle:
+            return index
+    return None

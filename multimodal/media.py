@@ -284,10 +284,19 @@ class MediaPreparer:
         prompt_len: int,
         expanded_prompt_tokens: int,
         expanded_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> None:
-        """Learn token counts from vLLM's first answer: per image from the expanded ids
-        (``Delta.prompt_token_ids``) when present, else from ``Delta.prompt_tokens``."""
+        """Learn token counts from vLLM's first answer: per item from the expanded ids
+        (``Delta.prompt_token_ids``) when present, as runs of the placeholder or, aligned
+        with the prompt as sent (``prompt_ids``), as exact expansions; else from
+        ``Delta.prompt_tokens``."""
         if expanded_ids and self.learned.observe_runs(media, prompt_len, expanded_ids):
+            return
+        if (
+            expanded_ids
+            and prompt_ids
+            and self.learned.observe_expansions(media, prompt_ids, expanded_ids)
+        ):
             return
         self.learned.observe(media, prompt_len, expanded_prompt_tokens)
 
@@ -319,14 +328,20 @@ class MediaPreparer:
             )
         uuid = ref.uuid or loaded.uuid
         if isinstance(loaded, ProbedClip):
-            self.learned.saw(uuid, loaded.shape)
+            shape = loaded.shape
+            self.learned.saw(uuid, shape)
             learned = self.learned.get(uuid)
+            expansion = self.learned.expansion(uuid)
+            if learned is None:
+                learned = self.learned.for_shape(shape)
+                expansion = self.learned.expansion_for_shape(shape)
             return MediaInput(
                 uuid=uuid,
                 mime_type=loaded.mime_type,
                 data=loaded.data,
-                num_tokens=learned if learned is not None else self.learned.for_shape(loaded.shape),
+                num_tokens=learned,
                 modality=ref.kind,
+                expansion=expansion,
             )
         return MediaInput(
             uuid=uuid,

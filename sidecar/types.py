@@ -76,6 +76,10 @@ class MediaInput(msgspec.Struct, frozen=True, kw_only=True):
     # lets the router expand the item in place and match the blocks it fills.
     position: int | None = None
     modality: Literal["image", "audio", "video"] = "image"
+    # The exact tokens vLLM makes of the placeholder, when they are not ``num_tokens`` copies of
+    # it (Qwen3-VL writes each frame's timestamp and markers into a video's expansion): the
+    # router hashes these, so it matches the blocks vLLM stores.
+    expansion: tuple[int, ...] | None = None
 
 
 Metadata = tuple[tuple[str, str], ...]

@@ -56,6 +56,7 @@ class RealEngines:
 LATER_REAL_ENGINES = (
     ("real_llava", "image_engine"),
     ("real_asr", "audio_engine"),
+    ("real_vl", "video_engine"),
     ("real_pd", "pd_pair"),
     ("real_pd_short_lease", "pd_short_lease"),
 )
@@ -64,8 +65,8 @@ SHORT_KV_LEASE = 4
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests of the LLaVA, the Qwen3-ASR, then of the prefill/decode pairs, run last (stable
-    otherwise)."""
+    """Tests of the LLaVA, the Qwen3-ASR, the Qwen2-VL, then of the prefill/decode pairs, run
+    last (stable otherwise)."""
 
     def group(item: pytest.Item) -> int:
         names = getattr(item, "fixturenames", ())
@@ -147,6 +148,24 @@ def real_asr(real_engines: RealEngines) -> RealVllm:
             dp_size=CONFORMANCE_DP,
             block_size=CONFORMANCE_BLOCK,
             model="asr",
+            dev_endpoints=True,
+            cpus=_engine_cpus(),
+            eager=True,
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def real_vl(real_engines: RealEngines) -> RealVllm:
+    """A tiny Qwen2-VL on real vLLM (video, random weights), DP=2, KV events on."""
+    from tests.support.real_vllm import start_real_vllm
+
+    return real_engines.get(
+        "vl",
+        lambda: start_real_vllm(
+            dp_size=CONFORMANCE_DP,
+            block_size=CONFORMANCE_BLOCK,
+            model="vl",
             dev_endpoints=True,
             cpus=_engine_cpus(),
             eager=True,

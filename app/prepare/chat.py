@@ -588,7 +588,13 @@ class ChatPreparer:
         media = prepared.request.media
         if not media or self._media is None or first is None or not first.prompt_tokens:
             return
-        self._media.observe(media, prepared.prompt_len, first.prompt_tokens, first.prompt_token_ids)
+        self._media.observe(
+            media,
+            prepared.prompt_len,
+            first.prompt_tokens,
+            first.prompt_token_ids,
+            prepared.request.prompt_token_ids,
+        )
         requested, limit = prepared.requested, prepared.max_model_len
         if not prepared.counts_known and requested is not None:
             check_context(first.prompt_tokens, requested, limit)

@@ -30,6 +30,7 @@ class MediaHook(Protocol):
         prompt_len: int,
         expanded_prompt_tokens: int,
         expanded_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> None:
         """vLLM's expanded prompt teaches the token counts of items it has seen: each item's
         run in ``expanded_ids`` when vLLM returned them, else what the length pins down."""

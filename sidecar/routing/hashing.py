@@ -109,7 +109,8 @@ def prompt_keys(
     """Hash a prepared prompt the way :func:`event_block_keys` hashes what an engine stored.
 
     Each image occupies one placeholder token at ``media_positions[i]``; vLLM expands it to
-    ``media[i].num_tokens`` copies of that token id, and so does this function. Images whose
+    ``media[i].num_tokens`` copies of that token id (or to ``media[i].expansion`` when known),
+    and so does this function. Images whose
     position or size is unknown stop the hash at their placeholder: everything before it can
     still be matched.
     """
@@ -189,7 +190,7 @@ def _expand_images(
             return tuple(out), spans, False
         out.extend(tokens[cursor:position])
         start = len(out)
-        out.extend((tokens[position],) * item.num_tokens)
+        out.extend(item.expansion or (tokens[position],) * item.num_tokens)
         spans.append((start, len(out), text_key(item.uuid)))
         cursor = position + 1
     out.extend(tokens[cursor:])

@@ -120,3 +120,67 @@ def test_learned_counts_are_bounded() -> None:
     for uuid in "abc":
         learned.observe(media(uuid), 1, 10)
     assert (learned.get("a"), learned.get("c"), len(learned)) == (None, 10, 2)
+
+
+P = 99  # a placeholder token id
+
+
+def placed(uuid: str, position: int) -> MediaInput:
+    return MediaInput(uuid=uuid, position=position, modality="video")
+
+
+def test_an_expansion_that_is_not_a_run_is_learnt_exactly() -> None:
+    """Qwen3-VL writes timestamps and markers among a video's frames: not one run."""
+    learned = LearnedTokenCounts(16)
+    learned.saw("v", (2, 64, 48, 8, 2000))
+    prompt = [1, 2, P, 3, 4]
+    expansion = (7, 8, P, P, 9, 8, P, P, 9)
+    expanded = [1, 2, *expansion, 3, 4]
+    assert learned.observe_runs([placed("v", 2)], len(prompt), expanded) == []
+    assert learned.observe_expansions([placed("v", 2)], prompt, expanded) == ["v"]
+    assert learned.expansion("v") == expansion
+    assert learned.get("v") == len(expansion)
+    # Another video of the same shape expands the same way.
+    assert learned.expansion_for_shape((2, 64, 48, 8, 2000)) == expansion
+    assert learned.for_shape((2, 64, 48, 8, 2000)) == len(expansion)
+
+
+def test_two_expansions_are_told_apart_by_the_text_between_them() -> None:
+    learned = LearnedTokenCounts(16)
+    prompt = [1, P, 5, 6, P, 3]
+    expanded = [1, 10, 11, 5, 6, 12, 13, 14, 3]
+    media = [placed("a", 1), placed("b", 4)]
+    assert learned.observe_expansions(media, prompt, expanded) == ["a", "b"]
+    assert (learned.expansion("a"), learned.expansion("b")) == ((10, 11), (12, 13, 14))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expanded", "positions"),
+    [
+        ([1, P, P, 3], [1, 10, 11, 12, 3], [1, 2]),  # side by side: no text to split them
+        ([1, P, 3], [2, 10, 3], [1]),  # the text before differs
+        ([1, P, 3, 4], [1, 10, 11, 3], [1]),  # the text after differs
+        ([1, P, 5, P, 3], [1, 10, 6, 11, 3], [1, 3]),  # the text between is not there
+    ],
+)
+def test_prompts_that_do_not_line_up_teach_no_expansion(
+    prompt: list[int], expanded: list[int], positions: list[int]
+) -> None:
+    learned = LearnedTokenCounts(16)
+    media = [placed(f"m{i}", p) for i, p in enumerate(positions)]
+    assert learned.observe_expansions(media, prompt, expanded) == []
+    assert len(learned) == 0
+
+
+def test_the_router_hashes_an_exact_expansion_as_vllm_stores_it() -> None:
+    from rankgate.sidecar.routing.hashing import prompt_keys
+
+    prompt = (1, 2, 3, P, 4)
+    expansion = (7, P, P, 8, P, P)
+    run = MediaInput(uuid="v", num_tokens=len(expansion), position=3)
+    exact = MediaInput(uuid="v", num_tokens=len(expansion), position=3, expansion=expansion)
+    by_run = prompt_keys(prompt, 3, media=[run], media_positions=[3])
+    by_expansion = prompt_keys(prompt, 3, media=[exact], media_positions=[3])
+    assert by_run.prompt_tokens == by_expansion.prompt_tokens == len(prompt) - 1 + len(expansion)
+    assert by_run.hashes[0] == by_expansion.hashes[0]  # the text-only block
+    assert by_run.hashes[1] != by_expansion.hashes[1]
