@@ -1,10 +1,12 @@
-"""Image identities: the 64-hex id each image is sent with as ``MediaItem.uuid``.
+"""Media identities: the 64-hex id each image, audio clip or video is sent with as
+``MediaItem.uuid``.
 
-The id of an image whose bytes the gateway sends is **BLAKE3 over those bytes**, hex-encoded:
+The id of an item whose bytes the gateway sends is **BLAKE3 over those bytes**, hex-encoded:
 exactly the identifier vLLM's own HTTP server (the Rust frontend of vLLM 0.32) computes for the
-same image, as it appears in its KV events' ``extra_keys``. So a client that talks to vLLM
-directly and one that comes through the gateway share vLLM's encoder and prefix caches and our
-router's block keys, and the id is checked against real vLLM rather than against itself.
+same image, audio clip or video, as it appears in its KV events' ``extra_keys``. So a client
+that talks to vLLM directly and one that comes through the gateway share vLLM's encoder and
+prefix caches and our router's block keys, and the id is checked against real vLLM rather
+than against itself.
 
 It identifies the encoded file, not the picture: a lossless re-encoding (PNG, then WebP, of
 the same pixels) gets another id and its own cache entries, which is never wrong, only less
