@@ -313,6 +313,14 @@ def _wav_scan_body() -> bytes:
 
 
 @cache
+def _wav_18mb_body() -> bytes:
+    # A plain WAV of the same size (9 minutes at 16 kHz): the control for the scan above.
+    from tests.multimodal.clips import wav
+
+    return _clip_chat([_input_audio(wav(560.0, rate=16_000), "wav")])
+
+
+@cache
 def _video_frames_body() -> bytes:
     # A WebM of 40,000 tiny frames (WebM states no frame count: only its packets tell).
     from tests.multimodal.clips import video
@@ -332,6 +340,10 @@ def audio_decode_bomb(gw: Gateway, timeout: float) -> Outcome:
 
 def wav_scan_18mb(gw: Gateway, timeout: float) -> Outcome:
     return _post(gw, "/v1/chat/completions", _wav_scan_body(), timeout)
+
+
+def wav_18mb(gw: Gateway, timeout: float) -> Outcome:
+    return _post(gw, "/v1/chat/completions", _wav_18mb_body(), timeout)
 
 
 def video_frame_flood(gw: Gateway, timeout: float) -> Outcome:
@@ -503,6 +515,7 @@ PREPARE: dict[str, Callable[[], bytes]] = {
     "audio_duration_bomb": _audio_duration_body,
     "audio_decode_bomb": _audio_decode_body,
     "wav_scan_18mb": _wav_scan_body,
+    "wav_18mb": _wav_18mb_body,
     "video_frame_flood": _video_frames_body,
 }
 # Connection cases wait past the longest default deadline (the 60 s body timeout).
@@ -529,6 +542,7 @@ ATTACKS: dict[str, Callable[[Gateway, float], Outcome]] = {
     "audio_duration_bomb": audio_duration_bomb,
     "audio_decode_bomb": audio_decode_bomb,
     "wav_scan_18mb": wav_scan_18mb,
+    "wav_18mb": wav_18mb,
     "video_frame_flood": video_frame_flood,
 }
 

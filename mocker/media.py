@@ -12,6 +12,7 @@ refuses that modality, as vLLM does.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -122,7 +123,8 @@ class MediaResolver:
         for position, index, kind in sorted(placed):
             item = media[index]
             data = await self._bytes(index, item)
-            count = _count(policy, kind, index, data)
+            # Decoding is the engine's preprocessing, off its event loop as in vLLM.
+            count = await asyncio.to_thread(_count, policy, kind, index, data)
             expanded.extend(prompt[cursor:position])
             identifier = item.uuid or hashlib.sha256(data).hexdigest()
             if lora:

@@ -86,7 +86,7 @@ def video(
         for index in range(frames):
             x = np.arange(width, dtype=np.uint16)
             y = np.arange(height, dtype=np.uint16)[:, None]
-            base = ((x + y + index * 8 + shade) % 256).astype(np.uint8)
+            base = ((x + y + (index * 8 + shade) % 256) % 256).astype(np.uint8)
             rgb = np.stack([base, np.roll(base, 7, axis=1), np.full_like(base, shade % 256)], -1)
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             frame.pts = index
