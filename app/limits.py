@@ -19,7 +19,6 @@ template or the engine the same way and gets the same depth check (:func:`check_
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from starlette.requests import Request
 from rankgate.app.errors import ApiError, client_gone, invalid
 from rankgate.app.headers import request_header
 from rankgate.app.json_shape import JsonShape, could_exceed, json_shape
+from rankgate.app.offload import offload
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ async def check_shape(body: bytes, limits: InputLimits) -> None:
     )
     measure = _measure_with(limits)
     if len(body) > SCAN_OFFLOAD_BYTES:
-        shape = await asyncio.to_thread(measure, body)
+        shape = await offload(measure, body)
     elif could_exceed(body, depth, containers, items):
         shape = measure(body)
     else:

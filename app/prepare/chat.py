@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +10,7 @@ import orjson
 
 from rankgate.app.errors import ApiError, invalid, unsupported
 from rankgate.app.limits import InputLimits, check_engine_json, check_fanout, check_json_text
+from rankgate.app.offload import offload as offload_to
 from rankgate.app.prepare.media import MediaHook
 from rankgate.app.prepare.params import (
     check_context,
@@ -466,7 +466,7 @@ class ChatPreparer:
         def convert() -> list[dict[str, Any]]:
             return [converter.message(m, i) for i, m in enumerate(req.messages)]
 
-        messages = await asyncio.to_thread(convert) if offload else convert()
+        messages = await offload_to(convert) if offload else convert()
         if converter.media:
             self._check_media_served(converter.media, req.model)
         extra = dict(req.chat_template_kwargs or {})
@@ -514,7 +514,7 @@ class ChatPreparer:
             ids = cached
         else:
             try:
-                ids = await asyncio.to_thread(render) if offload else render()
+                ids = await offload_to(render) if offload else render()
             except TemplateRenderError as exc:
                 raise invalid(f"chat template error: {exc}", "messages") from None
             if key is not None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import cast
 
 from rankgate.app.errors import invalid, unsupported
 from rankgate.app.limits import InputLimits, check_engine_json, check_fanout
+from rankgate.app.offload import offload
 from rankgate.app.prepare.params import (
     check_token_ids,
     prompt_logprobs_of,
@@ -127,7 +127,7 @@ class CompletionPreparer:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         args = (req, add_special, request_id, lora_name, max_model_len, rank, trace, affinity)
         if body_size > OFFLOAD_BYTES:
-            return await asyncio.to_thread(self._build, *args)
+            return await offload(self._build, *args)
         return self._build(*args)
 
     def _build(
