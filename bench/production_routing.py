@@ -5,7 +5,7 @@ per-rank scheduling, chunked prefill, a bounded prefix cache with LRU eviction, 
 in interleaved rounds so that the machine's drift falls on all of them alike:
 
 - ``rankgate kv`` (and any other ``--policy``), Rankgate's own routers;
-- ``vllm-router kv_aware``, fed by the same KV events, and ``round_robin`` as the floor.
+- ``vllm-router kv_aware``, fed by the same KV events, and ``round_robin`` as the baseline.
 
 The workload (``tests/support/sessions.py``), the same for every target of a configuration
 (one seed):
@@ -27,7 +27,9 @@ what saturates: on a small machine lower ``--speed`` (slower steps, fewer reques
 Printed per target: TTFT mean, p50 and p99 and mean end-to-end latency at the client, completed
 requests per second, the engine's own prefix-cache hit rate, the busiest rank's share of the
 prefill work (uncached prompt tokens) and of the requests, as a multiple of a fair share (1.00 =
-even), and the busiest rank's share of time stepping.
+even), and the busiest rank's share of time stepping. Beside them, the engine floor: the mean and
+p99 of each request's least TTFT under any router (its rank idle, holding every block an
+earlier request carried, prefilling only the rest), which no router can go below.
 
     scripts/in-netns .venv/bin/python bench/production_routing.py --dp 4 8 16 --load 0.7 0.9 \
         [--rounds 2] [--seconds 40] [--long] [--markdown] \
@@ -54,7 +56,9 @@ import httpx
 import peers
 
 from rankgate.mocker.config import MockEngineConfig
+from rankgate.sidecar.routing.hashing import prompt_keys
 from tests.support.ports import free_port, free_port_range
+from tests.support.rank_sim import EngineModel
 from tests.support.sessions import Session, Shape, sessions, system_prompts
 
 BLOCK = 16
@@ -88,6 +92,15 @@ def _engine_process(config: MockEngineConfig, conn: Connection) -> None:
 
 class EngineProcess:
     def __init__(self, config: MockEngineConfig) -> None:
+        self.model = EngineModel(
+            dp=config.dp_size,
+            block_size=config.block_size,
+            max_batched_tokens=config.max_batched_tokens,
+            step_seconds=config.decode_step_seconds,
+            sequence_seconds=config.decode_seconds_per_sequence,
+            token_seconds=config.prefill_seconds_per_token,
+            speed=config.speed,
+        )
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._proc = context.Process(target=_engine_process, args=(config, child), daemon=True)
@@ -154,6 +167,8 @@ class Outcome:
     preemptions: int = 0
     # Per pass: each rank's share of the time it was stepping.
     busy: list[list[float]] = dataclasses.field(default_factory=list)
+    # Per request: the engine-side TTFT no router could beat (``Floor``).
+    floors: list[float] = dataclasses.field(default_factory=list)
 
     def absorb(self, other: Outcome) -> None:
         self.ttfts += other.ttfts
@@ -166,6 +181,24 @@ class Outcome:
         self.request_share += other.request_share
         self.preemptions += other.preemptions
         self.busy += other.busy
+        self.floors += other.floors
+
+
+class Floor:
+    """Each request's least TTFT under any router: its rank idle and holding every block an
+    earlier request carried, the rest prefilled alone at the mock's modelled step times
+    (``EngineModel.floor``); the gateway's and the network's time come on top."""
+
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+        self._carried: set[int] = set()
+
+    def __call__(self, prompt: Sequence[int]) -> float:
+        keys = prompt_keys(prompt, self.model.block_size).hashes
+        carried = self._carried
+        seen = next((i for i, key in enumerate(keys) if key not in carried), len(keys))
+        carried.update(keys)
+        return self.model.floor(len(prompt), seen)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -174,7 +207,12 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 
 async def _turn(
-    http: httpx.AsyncClient, model: str, prompt: Sequence[int], out: int, outcome: Outcome
+    http: httpx.AsyncClient,
+    model: str,
+    prompt: Sequence[int],
+    out: int,
+    outcome: Outcome,
+    floor: float,
 ) -> None:
     body = {
         "model": model,
@@ -200,6 +238,7 @@ async def _turn(
         outcome.errors += 1
         return
     outcome.ttfts.append(first)
+    outcome.floors.append(floor)
     outcome.latencies.append(time.perf_counter() - started)
 
 
@@ -210,6 +249,7 @@ async def _session(
     session: Session,
     outcome: Outcome,
     origin: float,
+    floor: Floor,
 ) -> None:
     await asyncio.sleep(max(0.0, origin + session.start - time.perf_counter()))
     history: list[int] = list(systems[session.system])
@@ -218,7 +258,7 @@ async def _session(
             history += session.answers[turn - 1]
             await asyncio.sleep(session.pauses[turn - 1])
         history += message
-        await _turn(http, model, history, session.outputs[turn], outcome)
+        await _turn(http, model, history, session.outputs[turn], outcome, floor(history))
 
 
 def _client(gateway: peers.Gateway) -> httpx.AsyncClient:
@@ -237,11 +277,12 @@ async def drive(
     name: str,
 ) -> Outcome:
     outcome = Outcome(name)
+    floor = Floor(process.model)
     before = process.stats()
     async with _client(gateway) as http:
         origin = time.perf_counter()
         await asyncio.gather(
-            *(_session(http, engine.model, systems, s, outcome, origin) for s in plan)
+            *(_session(http, engine.model, systems, s, outcome, origin, floor) for s in plan)
         )
         outcome.seconds = time.perf_counter() - origin
     after = process.stats()
@@ -311,8 +352,8 @@ def starters(policies: Sequence[str], variants: Sequence[str] = ()) -> dict[str,
 
 HEAD = [
     "DP", "load", "target", "requests", "errors", "mean TTFT ms", "p50 TTFT ms", "p99 TTFT ms",
-    "mean e2e ms", "req/s", "hit rate", "busiest rank work", "busiest rank requests",
-    "busiest rank busy", "preemptions",
+    "mean e2e ms", "engine floor mean / p99 ms", "req/s", "hit rate", "busiest rank work",
+    "busiest rank requests", "busiest rank busy", "preemptions",
 ]  # fmt: skip
 
 
@@ -333,6 +374,9 @@ def row(dp: int, load: float, o: Outcome) -> list[str]:
         ms(_quantile(o.ttfts, 0.5)),
         ms(_quantile(o.ttfts, 0.99)),
         ms(statistics.fmean(o.latencies)) if o.latencies else "n/a",
+        f"{ms(statistics.fmean(o.floors))} / {ms(_quantile(o.floors, 0.99))}"
+        if o.floors
+        else "n/a",
         f"{len(o.ttfts) / o.seconds:.1f}" if o.seconds else "n/a",
         f"{o.cached / o.prompt:.3f}" if o.prompt else "n/a",
         share(o.work_share),

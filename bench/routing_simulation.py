@@ -15,6 +15,12 @@ rank stepping all the time. Printed per target: TTFT mean, p50 and p99, mean end
 latency, the engine's prefix-cache hit rate, the busiest rank's share of the prefill work and
 of the requests (1.00 = even), and the busiest rank's share of time stepping.
 
+Where the TTFT goes, per request: the floor, its least TTFT under any router (the rank idle
+and holding every block an earlier request carried, only the rest prefilled, alone); the
+seconds spent prefilling again blocks an earlier request had carried (evicted, or cached on
+another rank); and the rest, time spent waiting behind other work. No router goes below the
+floor's mean, so it bounds what any lead over another router can be.
+
     PYTHONPATH=. .venv/bin/python bench/routing_simulation.py [--dp 2 4 8 16 32] \\
         [--load 0.5 0.7 0.9] [--seconds 60] [--seeds 1 2 3] [--long] [--markdown] \\
         [--variant 'noshare=share_weight=0']
@@ -35,7 +41,8 @@ from tests.support.sessions import Shape
 
 HEAD = [
     "DP", "load", "target", "requests", "mean TTFT ms", "p50 TTFT ms", "p99 TTFT ms",
-    "mean e2e ms", "hit rate", "busiest rank work", "busiest rank requests", "busiest rank busy",
+    "mean e2e ms", "floor mean / p99 ms", "recompute ms", "wait ms", "hit rate",
+    "busiest rank work", "busiest rank requests", "busiest rank busy",
 ]  # fmt: skip
 
 
@@ -51,6 +58,8 @@ def _variant(text: str) -> tuple[str, RoutingConfig]:
 def row(dp: int, load: float, name: str, runs: Sequence[Outcome]) -> list[str]:
     ttfts = [t for o in runs for t in o.ttfts]
     latencies = [t for o in runs for t in o.latencies]
+    floors = [t for o in runs for t in o.floors]
+    recomputed = [t for o in runs for t in o.recomputed]
     ordered = sorted(ttfts)
 
     def ms(value: float) -> str:
@@ -68,6 +77,9 @@ def row(dp: int, load: float, name: str, runs: Sequence[Outcome]) -> list[str]:
         ms(quantile(0.5)),
         ms(quantile(0.99)),
         ms(statistics.fmean(latencies)),
+        f"{ms(statistics.fmean(floors))} / {ms(sorted(floors)[round(0.99 * (len(floors) - 1))])}",
+        ms(statistics.fmean(recomputed)),
+        ms(statistics.fmean(ttfts) - statistics.fmean(floors) - statistics.fmean(recomputed)),
         f"{sum(o.cached for o in runs) / sum(o.prompt for o in runs):.3f}",
         f"{statistics.fmean(o.work_share for o in runs):.2f}x",
         f"{statistics.fmean(o.request_share for o in runs):.2f}x",

@@ -66,3 +66,18 @@ def test_a_prefix_every_session_shares_spreads_before_its_rank_saturates(dp: int
     assert sum(1 for busy in kv.busy if busy > 0.2) >= dp // 2
     assert kv.request_share <= SHARE_BOUND
     assert max(kv.deepest_queue) <= max(longest.deepest_queue)
+
+
+@pytest.mark.parametrize("policy", ["kv", "longest_prefix", "round_robin"])
+def test_no_request_beats_its_floor_and_its_recomputed_prefill(policy: str) -> None:
+    """The floor bounds every router: each request's first token comes no sooner than its
+    rank could prefill the blocks no earlier request carried, plus those it had to prefill
+    again, alone on an idle rank."""
+    outcome = _run(4, policy, 0.9)
+    assert len(outcome.floors) == len(outcome.ttfts) == len(outcome.recomputed) > 100
+    for ttft, floor, recomputed in zip(
+        outcome.ttfts, outcome.floors, outcome.recomputed, strict=True
+    ):
+        assert ttft >= floor + recomputed - 1e-9
+    # Blind spreading recomputes what another rank holds; the KV-aware choice rarely does.
+    assert sum(_run(4, "round_robin", 0.9).recomputed) > 5 * sum(_run(4, "kv", 0.9).recomputed)

@@ -62,6 +62,16 @@ class EngineModel:
     token_seconds: float = 50e-6
     speed: float = 0.5
 
+    def floor(self, prompt: int, seen_blocks: int) -> float:
+        """A lower bound on a request's TTFT under any router: its rank idle, holding every
+        block an earlier request carried, and prefilling only the rest, alone."""
+        seen = min(seen_blocks, (prompt - 1) // self.block_size) * self.block_size
+        novel = prompt - seen
+        steps = -(-novel // self.max_batched_tokens)
+        return (
+            steps * (self.step_seconds + self.sequence_seconds) + self.token_seconds * novel
+        ) / self.speed
+
     def info(self) -> EngineInfo:
         ranks = tuple(range(self.dp))
         return EngineInfo(
@@ -93,6 +103,7 @@ class _Request:
         "arrived",
         "computed",
         "first_token",
+        "floor",
         "generated",
         "held",
         "keys",
@@ -100,6 +111,8 @@ class _Request:
         "outputs",
         "private",
         "prompt",
+        "recomputed",
+        "seen",
         "ticket",
     )
 
@@ -121,6 +134,12 @@ class _Request:
         self.computed = 0
         self.generated = 0
         self.first_token = math.nan
+        # Leading blocks of its prompt that an earlier request carried; the least TTFT any
+        # router could give it (``EngineModel.floor``); the seconds its rank spent
+        # prefilling blocks of those it did not hold.
+        self.seen = 0
+        self.floor = 0.0
+        self.recomputed = 0.0
         # Keyed blocks this request holds a reference on, and blocks of its own.
         self.held: list[int] = []
         self.private = 0
@@ -175,6 +194,8 @@ class _Rank:
         self._take(needed)
         request.private = needed
         request.computed = hits * size
+        lost = max(0, min(request.seen, limit) - hits) * size
+        request.recomputed = lost * self.model.token_seconds / self.model.speed
         self.prompt_tokens += request.prompt
         self.cached_tokens += hits * size
         self.requests += 1
@@ -272,6 +293,11 @@ class _Rank:
 @dataclasses.dataclass
 class Outcome:
     ttfts: list[float] = dataclasses.field(default_factory=list)
+    # Per request, beside its TTFT: the floor no router can beat, and the seconds spent
+    # prefilling again blocks an earlier request had carried (misses on evicted blocks or
+    # on another rank's). TTFT less both is the time it waited behind other work.
+    floors: list[float] = dataclasses.field(default_factory=list)
+    recomputed: list[float] = dataclasses.field(default_factory=list)
     latencies: list[float] = dataclasses.field(default_factory=list)
     work: list[int] = dataclasses.field(default_factory=list)
     requests: list[int] = dataclasses.field(default_factory=list)
@@ -333,6 +359,7 @@ class Simulation:
         self.ranks = [_Rank(slot, model, index, observer) for slot in range(model.dp)]
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
+        self._carried: set[int] = set()
         self.outcome = Outcome()
 
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -353,7 +380,12 @@ class Simulation:
         assert rank_id is not None
         keys = prompt_keys(tokens, self.model.block_size).hashes
         rank = self.ranks[rank_id]
-        rank.waiting.append(_Request(len(tokens), keys, outputs, ticket, self.now, on_done))
+        entry = _Request(len(tokens), keys, outputs, ticket, self.now, on_done)
+        carried = self._carried
+        entry.seen = next((i for i, key in enumerate(keys) if key not in carried), len(keys))
+        entry.floor = self.model.floor(entry.prompt, entry.seen)
+        carried.update(keys)
+        rank.waiting.append(entry)
         rank.deepest = max(rank.deepest, len(rank.waiting))
         if not rank.stepping:
             self._step(rank)
@@ -402,6 +434,8 @@ class Simulation:
 
         def finished(request: _Request, now: float) -> None:
             self.outcome.ttfts.append(request.first_token - request.arrived)
+            self.outcome.floors.append(request.floor)
+            self.outcome.recomputed.append(request.recomputed)
             self.outcome.latencies.append(now - request.arrived)
             if turn + 1 < len(session.messages):
                 self.at(now + session.pauses[turn], self._turn(session, systems, turn + 1))
