@@ -135,7 +135,7 @@ def mock_engine(
         tokenizer=str(model_dir),
         total_kv_blocks=args.kv_blocks * dp,
         max_running_requests=args.max_running,
-        max_model_len=min(65536 if args.long else 16384, args.kv_blocks * BLOCK),
+        max_model_len=min(65536 if args.long else 16384, (args.kv_blocks - 1) * BLOCK),
         kv_events_port=free_port_range(dp),
         kv_replay_port=free_port_range(dp),
         speed=args.speed,

@@ -48,12 +48,16 @@ class Block:
 
 
 class PrefixCache:
-    """Fixed pool of ``num_blocks`` blocks with prefix reuse; events accumulate in ``events``."""
+    """Fixed pool of ``num_blocks`` blocks with prefix reuse; events accumulate in ``events``.
+
+    As in vLLM's block pool, the first block is the null block, which never holds KV: a rank
+    configured with N blocks caches at most N - 1.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[Block] = deque(Block(i) for i in range(num_blocks))
+        self._free: deque[Block] = deque(Block(i) for i in range(1, num_blocks))
         # Cached blocks nobody references, oldest first: the eviction order.
         self._evictable: OrderedDict[int, Block] = OrderedDict()
         self._cached: dict[int, Block] = {}

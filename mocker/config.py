@@ -132,19 +132,21 @@ class MockEngineConfig:
         unknown = set(self.modalities) - {"image", "audio", "video"}
         if unknown:
             raise ConfigError(f"unknown modalities {sorted(unknown)}; known: image, audio, video")
-        if self.total_kv_blocks < self.local_size:
-            raise ConfigError("total_kv_blocks must give every local rank at least one block")
+        if self.total_kv_blocks < 2 * self.local_size:
+            raise ConfigError(
+                "total_kv_blocks must give every local rank two blocks (one is the null block)"
+            )
         if self.max_running_requests < 1 or self.max_batched_tokens < 1:
             raise ConfigError("max_running_requests and max_batched_tokens must be positive")
         if self.max_model_len < 1:
             raise ConfigError("max_model_len must be positive")
-        if self.blocks_per_rank * self.block_size < self.max_model_len:
+        if (self.blocks_per_rank - 1) * self.block_size < self.max_model_len:
             # vLLM refuses to start here too: a request of the full context could never be
             # scheduled, and would wait for blocks that no eviction can free.
             raise ConfigError(
                 f"max_model_len {self.max_model_len} needs "
-                f"{-(-self.max_model_len // self.block_size)} KV blocks per rank, more than "
-                f"the {self.blocks_per_rank} each rank has"
+                f"{-(-self.max_model_len // self.block_size)} KV blocks per rank besides the "
+                f"null block, more than the {self.blocks_per_rank - 1} each rank has"
             )
         if self.speed < 0:
             raise ConfigError("speed must be >= 0 (0 = zero latency)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
 CONFORMANCE_DP = 2
 CONFORMANCE_BLOCK = 32
+# KV blocks a rank of the small-cache engines holds: a few prompts fill it.
+SMALL_CACHE_BLOCKS = 48
 
 
 class RealEngines:
@@ -54,6 +57,7 @@ class RealEngines:
 # The real engines besides the tiny Llama, in the order their tests run (after all others),
 # each with the parametrized fixtures whose "real" case stands for it.
 LATER_REAL_ENGINES = (
+    ("real_small_cache", "small_cache_engine"),
     ("real_llava", "image_engine"),
     ("real_asr", "audio_engine"),
     ("real_vl", "video_engine"),
@@ -65,8 +69,8 @@ SHORT_KV_LEASE = 4
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests of the LLaVA, the Qwen3-ASR, the Qwen2-VL, then of the prefill/decode pairs, run
-    last (stable otherwise)."""
+    """Tests of the small-cache Llama, the LLaVA, the Qwen3-ASR, the Qwen3-VL, then of the
+    prefill/decode pairs, run last (stable otherwise)."""
 
     def group(item: pytest.Item) -> int:
         names = getattr(item, "fixturenames", ())
@@ -104,6 +108,36 @@ def real_vllm(real_engines: RealEngines) -> EngineUnderTest:
         "llama",
         lambda: start_real_vllm(
             dp_size=CONFORMANCE_DP, block_size=CONFORMANCE_BLOCK, cpus=_engine_cpus(), eager=True
+        ),
+    )
+    return EngineUnderTest(
+        kind="real",
+        target=server.target,
+        dp_size=server.dp_size,
+        block_size=server.block_size,
+        served_model_name=server.served_model_name,
+        tokenizer_dir=server.model_dir,
+        kv_events_base_port=server.kv_events_base_port,
+        kv_replay_base_port=server.kv_replay_base_port,
+        http_url=server.http_url,
+    )
+
+
+@pytest.fixture(scope="session")
+def real_small_cache(real_engines: RealEngines) -> EngineUnderTest:
+    """The tiny Llama with ``SMALL_CACHE_BLOCKS`` KV blocks a rank, DP=2, vLLM's dev routes
+    open (``/reset_prefix_cache``)."""
+    from tests.support.real_vllm import start_real_vllm
+
+    server = real_engines.get(
+        "small_cache",
+        lambda: start_real_vllm(
+            dp_size=CONFORMANCE_DP,
+            block_size=CONFORMANCE_BLOCK,
+            dev_endpoints=True,
+            cpus=_engine_cpus(),
+            eager=True,
+            kv_blocks=SMALL_CACHE_BLOCKS,
         ),
     )
     return EngineUnderTest(
@@ -210,7 +244,9 @@ def mock_vllm_split() -> Iterator[EngineUnderTest]:
     yield from _conformance_mock("split")
 
 
-def _conformance_mock(services: Literal["combined", "split"]) -> Iterator[EngineUnderTest]:
+def _conformance_mock(
+    services: Literal["combined", "split"], kv_blocks: int | None = None
+) -> Iterator[EngineUnderTest]:
     from rankgate.mocker.config import MockEngineConfig
     from tests.support.mock_engine import running_mock_engine
 
@@ -227,6 +263,8 @@ def _conformance_mock(services: Literal["combined", "split"]) -> Iterator[Engine
         max_model_len=512,
         grpc_services=services,
     )
+    if kv_blocks is not None:
+        config = dataclasses.replace(config, total_kv_blocks=kv_blocks * config.dp_size)
     with running_mock_engine(config) as handle:
         yield EngineUnderTest(
             kind="mock",
@@ -240,6 +278,20 @@ def _conformance_mock(services: Literal["combined", "split"]) -> Iterator[Engine
             kv_replay_base_port=config.kv_replay_port,
             mock=handle,
         )
+
+
+@pytest.fixture(scope="session")
+def mock_small_cache() -> Iterator[EngineUnderTest]:
+    yield from _conformance_mock("combined", kv_blocks=SMALL_CACHE_BLOCKS)
+
+
+@pytest.fixture(scope="session", params=["mock", pytest.param("real", marks=pytest.mark.real_vllm)])
+def small_cache_engine(request: pytest.FixtureRequest) -> EngineUnderTest:
+    """An engine whose ranks hold ``SMALL_CACHE_BLOCKS`` KV blocks each: the mocker and real
+    vLLM (DP=2)."""
+    name = "mock_small_cache" if request.param == "mock" else "real_small_cache"
+    result: EngineUnderTest = request.getfixturevalue(name)
+    return result
 
 
 @pytest.fixture(

@@ -34,8 +34,9 @@ BASE = MockEngineConfig(
     tokenizer=str(TINY_TOKENIZER),
     speed=0.0,
     max_model_len=65536,
-    # Up to DP=4 with every rank able to hold the whole context (the engine checks it).
-    total_kv_blocks=16384,
+    # Up to DP=4 with every rank able to hold the whole context besides its null block (the
+    # engine checks it).
+    total_kv_blocks=16388,
 )
 
 

@@ -99,8 +99,9 @@ def test_speed_factor_scales_time() -> None:
 
 
 def test_lru_eviction_publishes_removals() -> None:
-    # 8 blocks per rank: a second 96-token prompt forces most of the first one out.
-    with engine(total_kv_blocks=16, max_model_len=128) as handle:
+    # 8 blocks per rank besides the null block: a second 96-token prompt forces most of the
+    # first one out.
+    with engine(total_kv_blocks=18, max_model_len=128) as handle:
         c = Client(handle.target)
         listener = Events(handle)
         try:
@@ -126,7 +127,7 @@ def test_lru_eviction_publishes_removals() -> None:
 
 def test_running_out_of_blocks_preempts_and_still_finishes() -> None:
     with engine(
-        total_kv_blocks=12, max_model_len=96, speed=1.0, decode_step_seconds=0.001
+        total_kv_blocks=14, max_model_len=96, speed=1.0, decode_step_seconds=0.001
     ) as handle:
         results: list[int] = []
 

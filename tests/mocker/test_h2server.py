@@ -34,7 +34,7 @@ FRAME = struct.Struct(">HBBBL")
 
 @pytest.fixture(scope="module")
 def inloop() -> Iterator[MockEngineHandle]:
-    with engine(kv_events_port=None, kv_replay_port=None, max_model_len=65536) as handle:
+    with engine(kv_events_port=None, kv_replay_port=None, max_model_len=65520) as handle:
         assert handle.config.grpc_server == "inloop"
         yield handle
 

@@ -112,6 +112,8 @@ def engine_config(speed: float, kv_blocks_per_rank: int, dp: int = 4) -> MockEng
         model="bench-llm",
         tokenizer=str(TOKENIZER),
         total_kv_blocks=kv_blocks_per_rank * dp,
+        # What a rank holds besides vLLM's null block.
+        max_model_len=min(4096, (kv_blocks_per_rank - 1) * 16),
         max_running_requests=64,
         kv_events_port=free_port_range(dp),
         kv_replay_port=free_port_range(dp),

@@ -322,6 +322,7 @@ def start_real_vllm(
     nice: int = 0,
     cpus: str | None = None,
     eager: bool = False,
+    kv_blocks: int | None = None,
 ) -> Iterator[RealVllm]:
     """Serve real vLLM with KV events on for the ``with`` block; skip or fail if impossible.
 
@@ -329,7 +330,8 @@ def start_real_vllm(
     model's own serves a copy with more positions; ``dev_endpoints`` opens vLLM's development
     routes such as ``/reset_prefix_cache``; ``nice`` lowers vLLM's CPU priority and ``cpus``
     keeps it on those cores (``scripts/real-vllm serve --nice/--cpus``); ``eager`` skips
-    torch.compile, half a minute of start-up, for tests that do not measure the engine.
+    torch.compile, half a minute of start-up, for tests that do not measure the engine;
+    ``kv_blocks`` sizes each rank's KV cache (``--kv-blocks``).
     """
     grpc_port, http_port, kv_port, replay_port = _reserve_ports(dp_size)
     argv = [
@@ -338,6 +340,8 @@ def start_real_vllm(
         "--kv-events-port", str(kv_port), "--kv-replay-port", str(replay_port),
         *_engine_options(model, block_size, max_model_len, dev_endpoints, nice, cpus, eager),
     ]  # fmt: skip
+    if kv_blocks is not None:
+        argv += ["--kv-blocks", str(kv_blocks)]
     with _serving(argv, "grpc_target") as endpoints:
         yield _engine(endpoints)
 
