@@ -10,11 +10,14 @@ Llama-sized tokenizer (:mod:`llama_tokenizer`). For each prompt size, one reques
 - ``system``: the same system prompt of that size, each time with a new question;
 - ``history``: one conversation, each request the previous one plus an answer and a new
   question, growing to that size over ``--turns`` requests;
-- ``cold``: a prompt of that size never sent before (nothing to remember).
+- ``cold``: a chat prompt of that size never sent before (nothing to remember);
+- ``cold-completion``: the same as a completion's text prompt;
+- ``cold-ids``: a completion whose prompt is that many token ids, never sent before.
 
-It prints p50 and p99 latency and the gateway's CPU per request (``/proc``) per shape and
-size. Rounds run the gateways in turn (reversed every other round), each started afresh, and
-the table pools their samples.
+It prints p50 and p99 latency, the gateway's CPU per request (``/proc``) and that CPU per KB
+of prompt (the request body's prompt field) per shape and size: flat from 16 KB up is cost
+linear in the prompt. Rounds run the gateways in turn (reversed every other round), each
+started afresh, and the table pools their samples.
 
     scripts/in-netns .venv/bin/python bench/long_prompts.py [--sizes 1000 8000 32000] \\
         [--rounds 2] [--markdown]
@@ -35,6 +38,7 @@ from typing import Any
 
 import httpx
 import llama_tokenizer
+import orjson
 import peers
 
 _TEXT = (
@@ -42,7 +46,10 @@ _TEXT = (
     "to the rank that holds its prefix so that long documents are computed once"
 )
 WORDS = tuple(_TEXT.split(" "))
-SHAPES = ("system", "history", "cold")
+SHAPES = ("system", "history", "cold", "cold-completion", "cold-ids")
+# Token ids a prompt of ids draws from: inside the Llama-sized tokenizer's vocabulary, clear of
+# its added tokens.
+ID_RANGE = (100, 30_000)
 
 
 def filler(rng: random.Random, tokens: int) -> str:
@@ -51,12 +58,38 @@ def filler(rng: random.Random, tokens: int) -> str:
     return " ".join(f"{rng.choice(WORDS)} {rng.randrange(10_000)}" for _ in range(tokens // 3))
 
 
+class Unsupported(Exception):
+    """The gateway refuses this shape of request outright."""
+
+
 @dataclass
 class Cell:
     latencies: list[float] = field(default_factory=list)
     cpu: float = 0.0
     requests: int = 0
     prompt_tokens: int = 0
+    # Bytes of the prompt field, summed over the measured requests.
+    prompt_bytes: int = 0
+
+
+def bodies(shape: str, size: int, turns: int, seed: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(route, body without model and max_tokens) for each request of ``shape``."""
+    if shape in ("cold-completion", "cold-ids"):
+        rng = random.Random(seed)
+        while True:
+            if shape == "cold-ids":
+                yield "/v1/completions", {"prompt": rng.choices(range(*ID_RANGE), k=size)}
+            else:
+                yield "/v1/completions", {"prompt": filler(rng, size)}
+    for messages in conversations(shape, size, turns, seed):
+        yield "/v1/chat/completions", {"messages": messages}
+
+
+def prompt_bytes(body: dict[str, Any]) -> int:
+    if "messages" in body:
+        return sum(len(m["content"].encode()) for m in body["messages"])
+    prompt = body["prompt"]
+    return len(prompt.encode()) if isinstance(prompt, str) else len(orjson.dumps(prompt))
 
 
 def conversations(shape: str, size: int, turns: int, seed: int) -> Iterator[list[dict[str, str]]]:
@@ -88,14 +121,17 @@ def measure(
     seed: int,
 ) -> Cell:
     cell = Cell()
-    source = conversations(shape, size, args.turns, seed)
+    source = bodies(shape, size, args.turns, seed)
     with httpx.Client(base_url=gateway.url, headers=gateway.headers, timeout=120) as http:
 
-        def send(messages: list[dict[str, str]]) -> float:
-            body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 1}
+        def send(route: str, body: dict[str, Any]) -> float:
+            body = {**body, "model": model, "max_tokens": 1}
             start = time.perf_counter()
-            reply = http.post("/v1/chat/completions", json=body)
+            reply = http.post(route, json=body)
             elapsed = time.perf_counter() - start
+            if reply.status_code == 400 and route == "/v1/completions":
+                # vllm-router 0.1.17 over gRPC takes completion prompts as token ids only.
+                raise Unsupported(reply.text[:200])
             if reply.status_code != 200:
                 raise RuntimeError(f"{gateway.name}: {reply.status_code} {reply.text[:300]}")
             cell.prompt_tokens = max(cell.prompt_tokens, reply.json()["usage"]["prompt_tokens"])
@@ -103,13 +139,16 @@ def measure(
 
         # The first sight of a repeated prompt is a cold one; warm the gateway on it.
         if shape == "system":
-            send(next(source))
-        count = args.turns if shape == "history" else args.requests
+            send(*next(source))
+        # Short prompts cost a few clock ticks of CPU: more of them, for a reading to 0.1 ms.
+        count = args.turns if shape == "history" else max(args.requests, min(200, 400_000 // size))
+        requests = [next(source) for _ in range(count)]
         before = gateway.cpu_seconds()
-        for _ in range(count):
-            cell.latencies.append(send(next(source)))
+        for route, body in requests:
+            cell.latencies.append(send(route, body))
         cell.cpu = gateway.cpu_seconds() - before
         cell.requests = count
+        cell.prompt_bytes = sum(prompt_bytes(body) for _, body in requests)
     return cell
 
 
@@ -125,6 +164,7 @@ def run(args: argparse.Namespace) -> str:
     }
     cells: dict[tuple[str, str, int], Cell] = {}
     tokens: dict[tuple[str, int], int] = {}
+    unsupported: dict[tuple[str, str], str] = {}
     context = max(args.sizes) * 2 + 4096
     with tempfile.TemporaryDirectory(prefix="long-prompts-") as work:
         for round_ in range(args.rounds):
@@ -143,11 +183,16 @@ def run(args: argparse.Namespace) -> str:
                     for shape in args.shapes:
                         for size in args.sizes:
                             seed = 1000 * round_ + size + SHAPES.index(shape)
-                            cell = measure(gateway, engine.model, shape, size, args, seed)
+                            try:
+                                cell = measure(gateway, engine.model, shape, size, args, seed)
+                            except Unsupported as refused:
+                                unsupported[(target, shape)] = str(refused)
+                                continue
                             total = cells.setdefault((target, shape, size), Cell())
                             total.latencies += cell.latencies
                             total.cpu += cell.cpu
                             total.requests += cell.requests
+                            total.prompt_bytes += cell.prompt_bytes
                             tokens[(shape, size)] = max(
                                 tokens.get((shape, size), 0), cell.prompt_tokens
                             )
@@ -155,6 +200,9 @@ def run(args: argparse.Namespace) -> str:
     for shape in args.shapes:
         for size in args.sizes:
             for target in args.targets:
+                if (target, shape) in unsupported:
+                    rows.append([shape, str(tokens.get((shape, size), "")), target, *["n/a"] * 5])
+                    continue
                 cell = cells[(target, shape, size)]
                 ordered = sorted(cell.latencies)
                 p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
@@ -166,6 +214,8 @@ def run(args: argparse.Namespace) -> str:
                         f"{statistics.median(ordered) * 1000:.1f}",
                         f"{p99 * 1000:.1f}",
                         f"{cell.cpu / cell.requests * 1000:.2f}",
+                        f"{cell.prompt_bytes / cell.requests / 1024:.0f}",
+                        f"{cell.cpu / (cell.prompt_bytes / 1024) * 1e6:.0f}",
                     ]
                 )
     title = (
@@ -173,8 +223,14 @@ def run(args: argparse.Namespace) -> str:
         f"{args.engine_cpu} with the client, gateway on CPU {args.gateway_cpu}, llama-32k "
         f"tokenizer; {args.rounds} interleaved rounds; {peers.machine()}"
     )
-    head = ["shape", "prompt tokens (largest)", "gateway", "p50 ms", "p99 ms", "CPU/req ms"]
-    return peers.table(head, rows, title, args.markdown)
+    head = [
+        "shape", "prompt tokens (largest)", "gateway", "p50 ms", "p99 ms", "CPU/req ms",
+        "prompt KB", "CPU us/KB",
+    ]  # fmt: skip
+    refusals = "".join(
+        f"\n{target} refuses {shape}: {why}" for (target, shape), why in unsupported.items()
+    )
+    return peers.table(head, rows, title, args.markdown) + refusals
 
 
 def main() -> None:

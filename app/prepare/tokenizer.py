@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from rankgate.app.prepare.segments import MAX_PROBED_TOKENS, SegmentEncoder, probes, segmentable
 from rankgate.app.prepare.text_bound import chars_per_token_bound
+from rankgate.app.prepare.text_split import TextSplitter, splittable
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -173,9 +174,29 @@ class TextTokenizer:
         # Bounded by the vocabulary: one slot per token id, filled on first use.
         self._bytes_cache: list[bytes | None] = [None] * self.vocab_size
         self._specials_add_nothing = False
+        self._splitter = self._text_splitter(spec)
         self._segments = self._segment_encoder(spec)
         # A text longer than this many characters per token surely has more tokens.
         self.max_chars_per_token = chars_per_token_bound(spec)
+
+    def _text_splitter(self, spec: dict[str, Any]) -> TextSplitter | None:
+        # An added token with a space in it could straddle a cut.
+        added = [str(t.get("content", "")) for t in spec.get("added_tokens", ())]
+        if not splittable(spec) or any(
+            not text or any(c.isspace() for c in text) for text in added
+        ):
+            return None
+        splitter = TextSplitter(self._encode_pieces)
+        extra = [" ".join(added[i : i + 8]) + " tail" for i in range(0, min(len(added), 64), 8)]
+        return splitter if splitter.agrees(self._encode_whole, extra) else None
+
+    def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def _encode_whole(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
 
     def _segment_encoder(self, spec: dict[str, Any]) -> SegmentEncoder | None:
         if not segmentable(spec):
@@ -204,9 +225,10 @@ class TextTokenizer:
 
     def _encode_plain(self, text: str) -> list[int]:
         if len(text) > LONG_TEXT_CHARS:
+            if self._splitter is not None:
+                return self._splitter.encode(text)
             return self.encode_batch([text], False)[0]
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
+        return self._encode_whole(text)
 
     @property
     def segmented(self) -> bool:
@@ -224,6 +246,8 @@ class TextTokenizer:
             # Long pieces too: a long system prompt or document is what repeats.
             return segments.encode(text)
         if len(text) > LONG_TEXT_CHARS:
+            if self._splitter is not None and not add_special_tokens:
+                return self._splitter.encode(text)
             return self.encode_batch([text], add_special_tokens)[0]
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -66,17 +66,21 @@ def test_a_long_prompt_is_served_from_its_pieces(monkeypatch: pytest.MonkeyPatch
     system = "Answer in the voice of a patient teacher. " * 400
     assert len(system) > LONG_TEXT_CHARS
     encoded: list[int] = []
-    plain = tokenizer.encode_batch
+    splitter = tokenizer._splitter
+    assert splitter is not None
+    pieces = splitter._encode_many
 
-    def counted(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def counted(texts: list[str]) -> list[list[int]]:
         encoded.extend(len(text) for text in texts)
-        return plain(texts, add_special_tokens)
+        return pieces(texts)
 
-    monkeypatch.setattr(tokenizer, "encode_batch", counted)
+    monkeypatch.setattr(splitter, "_encode_many", counted)
     for turn in range(3):
         text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nturn {turn}"
         assert tokenizer.encode(text, False) == _whole(_RAW, text)
-    assert encoded == [len("system\n" + system)]
+    # Once, in pieces cut at word spaces.
+    assert sum(encoded) == len("system\n" + system)
+    assert len(encoded) > 1
 
 
 @settings(max_examples=300, deadline=None)
