@@ -45,3 +45,9 @@ async def offload(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> 
     """``fn(*args, **kwargs)`` on a low-priority worker thread."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_pool, functools.partial(fn, *args, **kwargs))
+
+
+def background(fn: Callable[_P, object], *args: _P.args, **kwargs: _P.kwargs) -> None:
+    """``fn(*args, **kwargs)`` on a low-priority worker thread, not awaited: work a running
+    gateway can do without, such as a check that switches on a faster path once it passes."""
+    _pool.submit(fn, *args, **kwargs)

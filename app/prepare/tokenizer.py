@@ -7,7 +7,10 @@ the local Hugging Face cache). Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer
 
+from rankgate.app.offload import background
+from rankgate.app.prepare import fast_bpe
 from rankgate.app.prepare.segments import MAX_PROBED_TOKENS, SegmentEncoder, probes, segmentable
 from rankgate.app.prepare.text_bound import chars_per_token_bound
 from rankgate.app.prepare.text_split import TextSplitter, splittable
@@ -150,6 +155,8 @@ def read_tokenizer_files(directory: Path) -> TokenizerFiles:
     )
 
 
+log = logging.getLogger(__name__)
+
 # Texts longer than this (characters) are encoded through ``encode_batch``.
 LONG_TEXT_CHARS = 8192
 
@@ -174,8 +181,16 @@ class TextTokenizer:
         # Bounded by the vocabulary: one slot per token id, filled on first use.
         self._bytes_cache: list[bytes | None] = [None] * self.vocab_size
         self._specials_add_nothing = False
+        # tiktoken for plain text once checked against this tokenizer (see app.prepare.fast_bpe).
+        self._fast: Callable[[str], list[int]] | None = None
         self._splitter = self._text_splitter(spec)
         self._segments = self._segment_encoder(spec)
+        self.fast_checked = threading.Event()
+        fast = fast_bpe.candidate(spec, _bytes_decoder()) if self._segments is not None else None
+        if fast is None:
+            self.fast_checked.set()
+        else:
+            background(self._check_fast, fast)
         # A text longer than this many characters per token surely has more tokens.
         self.max_chars_per_token = chars_per_token_bound(spec)
 
@@ -189,6 +204,21 @@ class TextTokenizer:
         splitter = TextSplitter(self._encode_pieces)
         extra = [" ".join(added[i : i + 8]) + " tail" for i in range(0, min(len(added), 64), 8)]
         return splitter if splitter.agrees(self._encode_whole, extra) else None
+
+    def _check_fast(self, fast: fast_bpe.FastBpe) -> None:
+        try:
+            if fast.agrees(self._encode_pieces):
+                self._fast = fast.encode
+                log.info("tokenizer: plain text is encoded with tiktoken (same ids, checked)")
+            else:
+                log.info("tokenizer: tiktoken disagrees with this tokenizer; not used")
+        finally:
+            self.fast_checked.set()
+
+    @property
+    def fast(self) -> bool:
+        """Whether plain text is encoded with tiktoken (:mod:`app.prepare.fast_bpe`)."""
+        return self._fast is not None
 
     def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
         encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
@@ -224,6 +254,9 @@ class TextTokenizer:
         return segments
 
     def _encode_plain(self, text: str) -> list[int]:
+        fast = self._fast
+        if fast is not None:
+            return fast(text)
         if len(text) > LONG_TEXT_CHARS:
             if self._splitter is not None:
                 return self._splitter.encode(text)

@@ -65,6 +65,9 @@ def test_a_long_prompt_is_served_from_its_pieces(monkeypatch: pytest.MonkeyPatch
     tokenizer = TextTokenizer(TINY_TOKENIZER)
     system = "Answer in the voice of a patient teacher. " * 400
     assert len(system) > LONG_TEXT_CHARS
+    # The path tokenizers takes (tiktoken, once checked, is tests/app/test_fast_bpe.py's).
+    assert tokenizer.fast_checked.wait(60)
+    tokenizer._fast = None
     encoded: list[int] = []
     splitter = tokenizer._splitter
     assert splitter is not None
