@@ -134,6 +134,8 @@ class FastBpe:
         """Whether ``encode_many`` (``tokenizers``, no special tokens) gives the same ids for
         the probes and for the text of every vocabulary token."""
         texts = [*_PROBES, " ".join(_PROBES), *self._vocab_texts]
+        # Checked once: the vocabulary's texts are not kept.
+        self._vocab_texts = ()
         expected = encode_many(texts)
         found = self._encoding.encode_ordinary_batch(texts, num_threads=1)
         return found == expected
