@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> str:
                         kv_blocks=2 * (context // 16 + 64) * max(1, args.big),
                     )
                     gateway = starters[target](stack, engine)
+                    gateway.settle()
                     for name, big in (("alone", 0), ("beside", args.big)):
                         got = run_phase(gateway, engine.model, args, big, seed=round_ * 7 + big)
                         total = phases.setdefault((target, name), Phase())

@@ -132,6 +132,19 @@ class Gateway:
     def cpu_seconds(self) -> float:
         return sum(cpu_seconds(pid) for pid in _tree(self.pids))
 
+    def settle(self, quiet: float = 0.01, timeout: float = 30.0) -> None:
+        """Wait until the gateway's start-up work in the background (checks, caches built
+        once) is done: under ``quiet`` CPU seconds in half a second. A CPU reading that
+        began earlier would charge it to the first requests."""
+        deadline = time.monotonic() + timeout
+        before = self.cpu_seconds()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self.cpu_seconds()
+            if now - before < quiet:
+                return
+            before = now
+
 
 def cpu_seconds(pid: int) -> float:
     try:
