@@ -20,6 +20,8 @@ them out first (:mod:`app.prepare.segments`).
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -139,3 +141,30 @@ class FastBpe:
         expected = encode_many(texts)
         found = self._encoding.encode_ordinary_batch(texts, num_threads=1)
         return found == expected
+
+
+# Verdicts by the tokenizer file's digest: a process that loads the same tokenizer again (each
+# test's gateway, a reload) reuses the checked encoder instead of checking again. Few
+# tokenizers are ever loaded; the bound only guards against a process that loads many.
+_VERDICTS_MAX = 8
+_verdicts: dict[bytes, FastBpe | None] = {}
+_verdicts_lock = threading.Lock()
+
+
+def digest(tokenizer_json: bytes) -> bytes:
+    return hashlib.blake2b(tokenizer_json, digest_size=16).digest()
+
+
+def known(key: bytes) -> tuple[bool, FastBpe | None]:
+    """(whether ``key``'s tokenizer was checked, its encoder if it passed)."""
+    with _verdicts_lock:
+        if key in _verdicts:
+            return True, _verdicts[key]
+        return False, None
+
+
+def remember(key: bytes, fast: FastBpe | None) -> None:
+    with _verdicts_lock:
+        if len(_verdicts) >= _VERDICTS_MAX:
+            _verdicts.clear()
+        _verdicts[key] = fast

@@ -168,7 +168,8 @@ class TextTokenizer:
         self.files = read_tokenizer_files(directory)
         self._tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        spec = orjson.loads((directory / "tokenizer.json").read_bytes())
+        raw = (directory / "tokenizer.json").read_bytes()
+        spec = orjson.loads(raw)
         decoder = spec.get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
         self._byte_map = _bytes_decoder() if self._byte_level else {}
@@ -186,11 +187,17 @@ class TextTokenizer:
         self._splitter = self._text_splitter(spec)
         self._segments = self._segment_encoder(spec)
         self.fast_checked = threading.Event()
-        fast = fast_bpe.candidate(spec, _bytes_decoder()) if self._segments is not None else None
+        key = fast_bpe.digest(raw)
+        checked, verified = fast_bpe.known(key)
+        fast = None
+        if not checked and self._segments is not None:
+            fast = fast_bpe.candidate(spec, _bytes_decoder())
+        if verified is not None:
+            self._fast = verified.encode
         if fast is None:
             self.fast_checked.set()
         else:
-            background(self._check_fast, fast)
+            background(self._check_fast, fast, key)
         # A text longer than this many characters per token surely has more tokens.
         self.max_chars_per_token = chars_per_token_bound(spec)
 
@@ -205,12 +212,14 @@ class TextTokenizer:
         extra = [" ".join(added[i : i + 8]) + " tail" for i in range(0, min(len(added), 64), 8)]
         return splitter if splitter.agrees(self._encode_whole, extra) else None
 
-    def _check_fast(self, fast: fast_bpe.FastBpe) -> None:
+    def _check_fast(self, fast: fast_bpe.FastBpe, key: bytes) -> None:
         try:
             if fast.agrees(self._encode_pieces):
+                fast_bpe.remember(key, fast)
                 self._fast = fast.encode
                 log.info("tokenizer: plain text is encoded with tiktoken (same ids, checked)")
             else:
+                fast_bpe.remember(key, None)
                 log.info("tokenizer: tiktoken disagrees with this tokenizer; not used")
         finally:
             self.fast_checked.set()

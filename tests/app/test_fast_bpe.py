@@ -140,3 +140,11 @@ def test_a_split_pattern_before_byte_level_mapping_is_taken_as_its_regex() -> No
     fast = candidate(spec, BYTES)
     assert fast is not None
     assert fast.agrees(_encode_many(Tokenizer.from_str(json.dumps(spec))))
+
+
+def test_a_tokenizer_loaded_again_reuses_the_checked_encoder(tiny: TextTokenizer) -> None:
+    assert tiny.fast
+    again = TextTokenizer(TINY_TOKENIZER)
+    # No second check: the verdict for the same file is known, and taken at once.
+    assert again.fast_checked.is_set()
+    assert again.fast
