@@ -98,6 +98,21 @@ def _engine_cpus() -> str | None:
     return placement_for_tests().engine_cpus
 
 
+def _under_test(server: RealVllm) -> EngineUnderTest:
+    """A real engine as the conformance suite sees it."""
+    return EngineUnderTest(
+        kind="real",
+        target=server.target,
+        dp_size=server.dp_size,
+        block_size=server.block_size,
+        served_model_name=server.served_model_name,
+        tokenizer_dir=server.model_dir,
+        kv_events_base_port=server.kv_events_base_port,
+        kv_replay_base_port=server.kv_replay_base_port,
+        http_url=server.http_url,
+    )
+
+
 @pytest.fixture(scope="session")
 def real_vllm(real_engines: RealEngines) -> EngineUnderTest:
     from tests.support.real_vllm import start_real_vllm
@@ -110,17 +125,7 @@ def real_vllm(real_engines: RealEngines) -> EngineUnderTest:
             dp_size=CONFORMANCE_DP, block_size=CONFORMANCE_BLOCK, cpus=_engine_cpus(), eager=True
         ),
     )
-    return EngineUnderTest(
-        kind="real",
-        target=server.target,
-        dp_size=server.dp_size,
-        block_size=server.block_size,
-        served_model_name=server.served_model_name,
-        tokenizer_dir=server.model_dir,
-        kv_events_base_port=server.kv_events_base_port,
-        kv_replay_base_port=server.kv_replay_base_port,
-        http_url=server.http_url,
-    )
+    return _under_test(server)
 
 
 @pytest.fixture(scope="session")
@@ -140,17 +145,7 @@ def real_small_cache(real_engines: RealEngines) -> EngineUnderTest:
             kv_blocks=SMALL_CACHE_BLOCKS,
         ),
     )
-    return EngineUnderTest(
-        kind="real",
-        target=server.target,
-        dp_size=server.dp_size,
-        block_size=server.block_size,
-        served_model_name=server.served_model_name,
-        tokenizer_dir=server.model_dir,
-        kv_events_base_port=server.kv_events_base_port,
-        kv_replay_base_port=server.kv_replay_base_port,
-        http_url=server.http_url,
-    )
+    return _under_test(server)
 
 
 @pytest.fixture(scope="session")

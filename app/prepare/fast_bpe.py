@@ -27,20 +27,10 @@ from typing import Any
 
 import tiktoken
 
+from rankgate.app.prepare.text_split import PROBES
+
 # GPT-2's pre-tokenizing pattern: what ``ByteLevel(use_regex=True)`` splits by.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_PROBES = (
-    "the quick brown fox jumps over the lazy dog",
-    "digits 12345 67 8 and 3.14159 or 1,000,000 items",
-    "punctuation! really? yes: (a) [b] {c} 'quoted' \"double\" end.",
-    "it's we're they've I'm you'll he'd can't IT'S WE'RE",
-    "naïve café 東京 Ελληνικά русский 😀 emoji 👍🏽 mixed",
-    "tabs\tand\nnew lines\n\nwith  two spaces   three\r\n",
-    "def f(x):\n    return x + 1  # code with indentation\n",
-    "CamelCase snake_case kebab-case URL https://example.com/a?b=c&d=e",
-    " leading space and trailing ",
-    "\u00a0non-breaking\u2003em space\u200bzero width",
-)
 
 
 def _pattern(pre: Any) -> str | None:
@@ -135,7 +125,7 @@ class FastBpe:
     def agrees(self, encode_many: Callable[[list[str]], list[list[int]]]) -> bool:
         """Whether ``encode_many`` (``tokenizers``, no special tokens) gives the same ids for
         the probes and for the text of every vocabulary token."""
-        texts = [*_PROBES, " ".join(_PROBES), *self._vocab_texts]
+        texts = [*PROBES, " ".join(PROBES), *self._vocab_texts]
         # Checked once: the vocabulary's texts are not kept.
         self._vocab_texts = ()
         expected = encode_many(texts)

@@ -27,15 +27,19 @@ _CUT = re.compile(r"(?<=\S) (?=\S)")
 _SPLITTING = frozenset({"Split", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"})
 _PASSIVE = frozenset({"Digits", "Punctuation", "UnicodeScripts"})
 _NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
-_PROBES = (
+# Texts both encoders' checks run on (:mod:`app.prepare.fast_bpe` too): words, numbers,
+# punctuation, contractions in either case, scripts, emoji, runs of whitespace, code.
+PROBES = (
     "the quick brown fox jumps over the lazy dog",
     "digits 12345 67 8 and 3.14159 or 1,000,000 items",
     "punctuation! really? yes: (a) [b] {c} 'quoted' \"double\" end.",
-    "it's we're they've I'm you'll he'd can't",
+    "it's we're they've I'm you'll he'd can't IT'S WE'RE",
     "naïve café 東京 Ελληνικά русский 😀 emoji 👍🏽 mixed",
-    "tabs\tand\nnew lines\n\nwith  two spaces   three",
+    "tabs\tand\nnew lines\n\nwith  two spaces   three\r\n",
     "def f(x):\n    return x + 1  # code with indentation\n",
     "CamelCase snake_case kebab-case URL https://example.com/a?b=c&d=e",
+    " leading space and trailing ",
+    "\u00a0non-breaking\u2003em space\u200bzero width",
 )
 
 
@@ -101,7 +105,7 @@ class TextSplitter:
     def agrees(self, encode_whole: Callable[[str], list[int]], extra: Iterable[str] = ()) -> bool:
         """Whether cutting at every word space of the probes (and of ``extra``, texts built
         from the tokenizer's own added tokens) leaves their ids unchanged."""
-        for text in (*_PROBES, " ".join(_PROBES), *extra):
+        for text in (*PROBES, " ".join(PROBES), *extra):
             cut = [part for part in pieces(text, 1) if part]
             joined = [i for part in self._encode_many(cut) for i in part]
             if joined != encode_whole(text):

@@ -208,13 +208,13 @@ class TextTokenizer:
             not text or any(c.isspace() for c in text) for text in added
         ):
             return None
-        splitter = TextSplitter(self._encode_pieces)
+        splitter = TextSplitter(self._encode_plain_batch)
         extra = [" ".join(added[i : i + 8]) + " tail" for i in range(0, min(len(added), 64), 8)]
         return splitter if splitter.agrees(self._encode_whole, extra) else None
 
     def _check_fast(self, fast: fast_bpe.FastBpe, key: bytes) -> None:
         try:
-            if fast.agrees(self._encode_pieces):
+            if fast.agrees(self._encode_plain_batch):
                 fast_bpe.remember(key, fast)
                 self._fast = fast.encode
                 log.info("tokenizer: plain text is encoded with tiktoken (same ids, checked)")
@@ -228,10 +228,6 @@ class TextTokenizer:
     def fast(self) -> bool:
         """Whether plain text is encoded with tiktoken (:mod:`app.prepare.fast_bpe`)."""
         return self._fast is not None
-
-    def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
-        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
 
     def _encode_whole(self, text: str) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
@@ -292,6 +288,9 @@ class TextTokenizer:
                 return self._splitter.encode(text)
             return self.encode_batch([text], add_special_tokens)[0]
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encode_batch(texts, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Encoded with the GIL released (``encode`` holds it for the whole text), so a worker
