@@ -4,7 +4,7 @@ At saturation the gateway that is not saturated spends more CPU per request (few
 per wake-up), so a comparison where one runs its core at 97% and the other at 65% flatters the
 busier one. Here both are offered the same fixed rates: fractions (``--fractions``) of
 vllm-router's own saturation rate, measured first in the same run. Each gateway runs alone,
-pinned to ``--gateway-cpu``, in front of one mock vLLM engine (DP=2, KV events on) that shares
+pinned to ``--gateway-cpu``, in front of one engine (DP=2) that shares
 ``--engine-cpu`` with the load generator (``h2load --rps``: ``--clients`` connections, or
 ``--stream-clients`` for streams, each sending its share of the rate). Per rate and gateway:
 
@@ -13,6 +13,10 @@ pinned to ``--gateway-cpu``, in front of one mock vLLM engine (DP=2, KV events o
 - paced streams (every running stream gets one token per ``--step-ms`` step): the same rate of
   ``--short-tokens`` and of ``--long-tokens`` streams, and the CPU per token is the slope
   between the two, so per-request costs cancel.
+
+The engine (``--engine``) is our mock (KV events on), or a fake in another runtime
+(``bench/node_engine.mjs``: Node's HTTP/2 server, no KV events) so the figures do not rest on
+one engine's costs and timing alone.
 
 The gateways alternate within each rate, and the order flips every round (``--rounds``); the
 table gives each figure's median over the rounds and the Rankgate / vllm-router ratio of the
@@ -123,7 +127,8 @@ def measure(args: argparse.Namespace, paced: bool) -> dict[tuple[str, float, str
     tokenizer = peers.TINY_TOKENIZER if args.tokenizer == "tiny" else llama_tokenizer.ensure()
     with ExitStack() as stack:
         args.work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rankgate-eq-")))
-        engine = peers.start_mock_engine(
+        starter = peers.start_node_engine if args.engine == "node" else peers.start_mock_engine
+        engine = starter(
             stack,
             args.work,
             dp_size=2,
@@ -198,7 +203,8 @@ def report(
         "rate (of vllm-router's saturation)", "gateway", "CPU ms / request", "core",
         "mean request ms", "CPU us / streamed token", "core (long streams)",
     )  # fmt: skip
-    print(peers.table(head, rows, f"equal load, {args.rounds} rounds", args.markdown))
+    title = f"equal load, {args.rounds} rounds, {args.engine} engine"
+    print(peers.table(head, rows, title, args.markdown))
 
 
 def main() -> None:
@@ -219,6 +225,12 @@ def main() -> None:
     parser.add_argument("--engine-cpu", default="0", help="taskset list: engine and h2load")
     parser.add_argument("--tokenizer", choices=("llama-32k", "tiny"), default="llama-32k")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--engine",
+        choices=("mock", "node"),
+        default="mock",
+        help="our mock (KV events on) or the Node fake (bench/node_engine.mjs, no KV events)",
+    )
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     plain = measure(args, paced=False)

@@ -259,6 +259,46 @@ def start_mock_engine(
     return Engine(f"127.0.0.1:{port}", dp_size, block_size, model, mdir, kv, [proc.pid])
 
 
+NODE_ENGINE = ROOT / "bench" / "node_engine.mjs"
+
+
+def start_node_engine(
+    stack: ExitStack,
+    work: Path,
+    *,
+    dp_size: int = 2,
+    block_size: int = 16,
+    model: str = "bench-model",
+    tokenizer: Path = TINY_TOKENIZER,
+    paced_step_seconds: float = 0.0,
+    cpus: str | None = None,
+    max_model_len: int = 8192,
+) -> Engine:
+    """The fake engine in Node (``bench/node_engine.mjs``): the same gRPC services as the mock,
+    from another runtime and HTTP/2 stack. It answers every prompt with copies of one token,
+    chosen here so its text is what the tokenizer decodes it to; it publishes no KV events
+    (its sources name silent endpoints), so every gateway routes on what else it knows."""
+    node = shutil.which("node")
+    if node is None:
+        raise Unavailable("node is not installed")
+    from tokenizers import Tokenizer
+
+    mdir = model_dir(work, tokenizer)
+    vocab = Tokenizer.from_file(str(mdir / "tokenizer.json"))
+    token = vocab.encode(" the", add_special_tokens=False).ids[-1]
+    port, kv = free_port(), free_port_range(dp_size)
+    argv = [
+        node, str(NODE_ENGINE), "--port", str(port), "--dp-size", str(dp_size),
+        "--model", model, "--model-id", str(mdir), "--token-id", str(token),
+        "--token-text", vocab.decode([token]), "--step-ms", str(paced_step_seconds * 1e3),
+        "--kv-events-port", str(kv), "--block-size", str(block_size),
+        "--max-model-len", str(max_model_len),
+    ]  # fmt: skip
+    proc = launch(stack, argv, "node-engine", cpus=cpus)
+    _wait_grpc(f"127.0.0.1:{port}", proc)
+    return Engine(f"127.0.0.1:{port}", dp_size, block_size, model, mdir, kv, [proc.pid])
+
+
 def _wait_grpc(target: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -271,7 +311,7 @@ def _wait_grpc(target: str, proc: subprocess.Popen[bytes], timeout: float = 30) 
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"the mock engine exited with {proc.returncode}")
+                raise RuntimeError(f"the engine exited with {proc.returncode}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -279,7 +319,7 @@ def _wait_grpc(target: str, proc: subprocess.Popen[bytes], timeout: float = 30) 
             except grpc.RpcError:
                 pass
             time.sleep(0.1)
-    raise RuntimeError("the mock engine did not become healthy")
+    raise RuntimeError("the engine did not become healthy")
 
 
 def start_rankgate(
