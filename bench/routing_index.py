@@ -6,6 +6,8 @@
 2. Decisions: with ``--blocks`` indexed blocks per rank, ``KvRouter.route`` for prompts that
    share a prefix with some ranks; p50/p99 per decision, hashing included. The bookkeeping the
    gateway does once the request is sent (``router.sent()``) and when it ends is timed apart.
+   Beside them, a control: fixed pure-Python work of the decisions' median length, timed as
+   often, whose p99 is the machine's own tail at that length.
 3. The block-hash mix: CPython's tuple hash (what the router uses) against blake2b.
 
     PYTHONPATH=. .venv/bin/python bench/routing_index.py [--ranks 4] [--blocks 100000]
@@ -174,6 +176,7 @@ async def _ingest(args: argparse.Namespace) -> None:
         f"  after the decision (router.sent() once the request is on its way, and its end): "
         f"mean {statistics.fmean(after):.0f} us"
     )
+    _control(times[len(times) // 2], len(times))
     await router.close()
     for publisher in publishers:
         publisher.close()
@@ -191,6 +194,35 @@ def _loadavg() -> str:
             return f.read().split()[0]
     except OSError:
         return "?"
+
+
+def _control(median_us: float, repeat: int) -> None:
+    """The machine's own tail: one fixed piece of pure-Python work, sized to the decisions'
+    median, timed as often as they were. Its p99 over its p50 is what the machine adds to any
+    work of that length (interrupts, a shared core's neighbours), the decision aside."""
+
+    def work(rounds: int) -> int:
+        total = 0
+        for value in range(rounds):
+            total += value * value % 7
+        return total
+
+    rounds = 1000
+    started = time.perf_counter_ns()
+    work(rounds)
+    per_round = (time.perf_counter_ns() - started) / 1000 / rounds
+    rounds = max(1, int(median_us / max(per_round, 1e-3)))
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter_ns()
+        work(rounds)
+        samples.append((time.perf_counter_ns() - started) / 1000)
+    samples.sort()
+    p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+    print(
+        f"  control (fixed work of the median's length): p50 {p50:6.0f} us  p99 {p99:6.0f} us "
+        f"({p99 / p50:.2f}x)"
+    )
 
 
 def _hash_mix(tokens: int, repeat: int) -> None:
