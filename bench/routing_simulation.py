@@ -18,7 +18,9 @@ of the requests (1.00 = even), and the busiest rank's share of time stepping.
 Where the TTFT goes, per request: the floor, its least TTFT under any router (the rank idle
 and holding every block an earlier request carried, only the rest prefilled, alone); the
 seconds spent prefilling again blocks an earlier request had carried (evicted, or cached on
-another rank); and the rest, time spent waiting behind other work. No router goes below the
+another rank), and of those the part some rank still held when the request was routed (what a
+better choice could have saved; the rest was held nowhere: the caches' capacity); and the rest,
+time spent waiting behind other work. No router goes below the
 floor's mean, so it bounds what any lead over another router can be.
 
     PYTHONPATH=. .venv/bin/python bench/routing_simulation.py [--dp 2 4 8 16 32] \\
@@ -41,7 +43,7 @@ from tests.support.sessions import Shape
 
 HEAD = [
     "DP", "load", "target", "requests", "mean TTFT ms", "p50 TTFT ms", "p99 TTFT ms",
-    "mean e2e ms", "floor mean / p99 ms", "recompute ms", "wait ms", "hit rate",
+    "mean e2e ms", "floor mean / p99 ms", "recompute ms (held when routed)", "wait ms", "hit rate",
     "busiest rank work", "busiest rank requests", "busiest rank busy",
 ]  # fmt: skip
 
@@ -60,6 +62,7 @@ def row(dp: int, load: float, name: str, runs: Sequence[Outcome]) -> list[str]:
     latencies = [t for o in runs for t in o.latencies]
     floors = [t for o in runs for t in o.floors]
     recomputed = [t for o in runs for t in o.recomputed]
+    elsewhere = [t for o in runs for t in o.recomputed_elsewhere]
     ordered = sorted(ttfts)
 
     def ms(value: float) -> str:
@@ -78,7 +81,7 @@ def row(dp: int, load: float, name: str, runs: Sequence[Outcome]) -> list[str]:
         ms(quantile(0.99)),
         ms(statistics.fmean(latencies)),
         f"{ms(statistics.fmean(floors))} / {ms(sorted(floors)[round(0.99 * (len(floors) - 1))])}",
-        ms(statistics.fmean(recomputed)),
+        f"{ms(statistics.fmean(recomputed))} / {ms(statistics.fmean(elsewhere))}",
         ms(statistics.fmean(ttfts) - statistics.fmean(floors) - statistics.fmean(recomputed)),
         f"{sum(o.cached for o in runs) / sum(o.prompt for o in runs):.3f}",
         f"{statistics.fmean(o.work_share for o in runs):.2f}x",

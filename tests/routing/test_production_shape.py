@@ -75,9 +75,16 @@ def test_no_request_beats_its_floor_and_its_recomputed_prefill(policy: str) -> N
     again, alone on an idle rank."""
     outcome = _run(4, policy, 0.9)
     assert len(outcome.floors) == len(outcome.ttfts) == len(outcome.recomputed) > 100
-    for ttft, floor, recomputed in zip(
-        outcome.ttfts, outcome.floors, outcome.recomputed, strict=True
+    for ttft, floor, recomputed, elsewhere in zip(
+        outcome.ttfts,
+        outcome.floors,
+        outcome.recomputed,
+        outcome.recomputed_elsewhere,
+        strict=True,
     ):
         assert ttft >= floor + recomputed - 1e-9
+        assert 0 <= elsewhere <= recomputed + 1e-12
     # Blind spreading recomputes what another rank holds; the KV-aware choice rarely does.
-    assert sum(_run(4, "round_robin", 0.9).recomputed) > 5 * sum(_run(4, "kv", 0.9).recomputed)
+    blind, aware = _run(4, "round_robin", 0.9), _run(4, "kv", 0.9)
+    assert sum(blind.recomputed) > 5 * sum(aware.recomputed)
+    assert sum(blind.recomputed_elsewhere) > 10 * sum(aware.recomputed_elsewhere)

@@ -106,12 +106,14 @@ class _Request:
         "floor",
         "generated",
         "held",
+        "held_elsewhere",
         "keys",
         "on_done",
         "outputs",
         "private",
         "prompt",
         "recomputed",
+        "recomputed_elsewhere",
         "seen",
         "ticket",
     )
@@ -140,6 +142,11 @@ class _Request:
         self.seen = 0
         self.floor = 0.0
         self.recomputed = 0.0
+        # The most leading blocks any rank held when it was routed, and the seconds spent
+        # prefilling again those of them its rank no longer held at admission: what a router
+        # could have saved; the rest of ``recomputed`` was held nowhere, the caches' capacity.
+        self.held_elsewhere = 0
+        self.recomputed_elsewhere = 0.0
         # Keyed blocks this request holds a reference on, and blocks of its own.
         self.held: list[int] = []
         self.private = 0
@@ -180,11 +187,7 @@ class _Rank:
     def _admit(self, request: _Request) -> bool:
         size = self.model.block_size
         limit = (request.prompt - 1) // size
-        hits = 0
-        for key in request.keys[:limit]:
-            if key not in self.refs:
-                break
-            hits += 1
+        hits = self.depth(request.keys[:limit])
         needed = -(-(request.prompt + request.outputs) // size) - hits
         reclaimable = len(self.idle) - sum(1 for key in request.keys[:hits] if key in self.idle)
         if needed > self.free + reclaimable:
@@ -195,12 +198,24 @@ class _Rank:
         self._take(needed)
         request.private = needed
         request.computed = hits * size
-        lost = max(0, min(request.seen, limit) - hits) * size
+        carried = min(request.seen, limit)
+        lost = max(0, carried - hits) * size
         request.recomputed = lost * self.model.token_seconds / self.model.speed
+        elsewhere = max(0, min(request.held_elsewhere, carried) - hits) * size
+        request.recomputed_elsewhere = elsewhere * self.model.token_seconds / self.model.speed
         self.prompt_tokens += request.prompt
         self.cached_tokens += hits * size
         self.requests += 1
         return True
+
+    def depth(self, keys: Sequence[int]) -> int:
+        """How many leading blocks of ``keys`` this rank holds."""
+        held = 0
+        for key in keys:
+            if key not in self.refs:
+                break
+            held += 1
+        return held
 
     def _hold(self, key: int) -> None:
         count = self.refs[key]
@@ -299,6 +314,8 @@ class Outcome:
     # on another rank's). TTFT less both is the time it waited behind other work.
     floors: list[float] = dataclasses.field(default_factory=list)
     recomputed: list[float] = dataclasses.field(default_factory=list)
+    # The part of ``recomputed`` some rank held when the request was routed.
+    recomputed_elsewhere: list[float] = dataclasses.field(default_factory=list)
     latencies: list[float] = dataclasses.field(default_factory=list)
     work: list[int] = dataclasses.field(default_factory=list)
     requests: list[int] = dataclasses.field(default_factory=list)
@@ -385,6 +402,7 @@ class Simulation:
         carried = self._carried
         entry.seen = next((i for i, key in enumerate(keys) if key not in carried), len(keys))
         entry.floor = self.model.floor(entry.prompt, entry.seen)
+        entry.held_elsewhere = max(other.depth(keys) for other in self.ranks)
         carried.update(keys)
         rank.waiting.append(entry)
         rank.deepest = max(rank.deepest, len(rank.waiting))
@@ -437,6 +455,7 @@ class Simulation:
             self.outcome.ttfts.append(request.first_token - request.arrived)
             self.outcome.floors.append(request.floor)
             self.outcome.recomputed.append(request.recomputed)
+            self.outcome.recomputed_elsewhere.append(request.recomputed_elsewhere)
             self.outcome.latencies.append(now - request.arrived)
             if turn + 1 < len(session.messages):
                 self.at(now + session.pauses[turn], self._turn(session, systems, turn + 1))
