@@ -283,20 +283,32 @@ class PredictedIndex:
         return len(self._entries[slot])
 
     def _settle(self, slot: int, hashes: Sequence[int], now: float) -> None:
+        # A long prompt is thousands of keys entered here on the event loop, so the eviction
+        # of the least recent key (:meth:`_forget`) is written out in the loop.
         expiry = now + self.ttl
         entries = self._entries[slot]
         bit = 1 << slot
+        keep = ~bit
         masks = self.masks
-        capacity = self._capacity[slot]
+        get = masks.get
         known = entries.__contains__
         move = entries.move_to_end
+        evict = entries.popitem
+        room = self._capacity[slot] - len(entries)
         for key in hashes:
             if known(key):
                 move(key)
             else:
-                if len(entries) >= capacity:
-                    self._forget(slot, entries.popitem(last=False)[0])
-                masks[key] = masks.get(key, 0) | bit
+                if room > 0:
+                    room -= 1
+                else:
+                    oldest = evict(last=False)[0]
+                    mask = get(oldest, 0) & keep
+                    if mask:
+                        masks[oldest] = mask
+                    else:
+                        masks.pop(oldest, None)
+                masks[key] = get(key, 0) | bit
             entries[key] = expiry
         self._expire_slot(slot, now)
 

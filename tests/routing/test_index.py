@@ -67,6 +67,19 @@ def test_prediction_is_an_lru_with_ttl() -> None:
     assert predicted.size(0) == 0
 
 
+def test_a_prompt_longer_than_a_rank_keeps_its_last_keys_and_others_theirs() -> None:
+    predicted = PredictedIndex([3, 3], ttl=10.0, clock=lambda: 0.0)
+    predicted.record(1, [1, 2])
+    predicted.record(0, [1, 2, 3, 4, 5])  # evicts its own 1 and 2 as it goes
+    assert predicted.size(0) == 3
+    assert predicted.match([1, 2]) == [0, 2]
+    assert predicted.match([3, 4, 5]) == [3, 0]
+    assert predicted.masks == {1: 0b10, 2: 0b10, 3: 0b01, 4: 0b01, 5: 0b01}
+    predicted.record(0, [3, 6])  # 3 refreshed, 4 the least recent goes
+    predicted.settle()
+    assert predicted.masks == {1: 0b10, 2: 0b10, 3: 0b01, 5: 0b01, 6: 0b01}
+
+
 def test_medium_tiers() -> None:
     assert medium_tier(None) == DEVICE
     assert medium_tier("GPU") == DEVICE
