@@ -9,6 +9,8 @@
    Beside them, a control: fixed pure-Python work of the decisions' median length, timed as
    often, whose p99 is the machine's own tail at that length.
 3. The block-hash mix: CPython's tuple hash (what the router uses) against blake2b.
+4. A long prompt's predictions: ``PredictedIndex`` entering a 3,400-block prompt (55k tokens)
+   at a rank's capacity, as the gateway does on its event loop once the prompt is sent.
 
     PYTHONPATH=. .venv/bin/python bench/routing_index.py [--ranks 4] [--blocks 100000]
 """
@@ -29,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from rankgate.app.gc_tuning import tune_after_startup
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import prompt_keys
+from rankgate.sidecar.routing.index import PredictedIndex
 from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import KvEventSource
 from tests.routing.conftest import engine_info, prepared
@@ -225,6 +228,22 @@ def _control(median_us: float, repeat: int) -> None:
     )
 
 
+def _long_prompt_settle(blocks: int, capacity: int, prompts: int) -> None:
+    """``PredictedIndex.record`` and ``settle`` for prompts of ``blocks`` new keys on two
+    ranks of ``capacity`` blocks each: past the first few, every key evicts one."""
+    rng = random.Random(3)
+    now = [0.0]
+    predicted = PredictedIndex([capacity, capacity], 30.0, lambda: now[0])
+    keys = [[rng.getrandbits(62) for _ in range(blocks)] for _ in range(prompts)]
+    started = time.perf_counter()
+    for n, prompt in enumerate(keys):
+        now[0] += 0.01
+        predicted.record(n % 2, prompt)
+        predicted.settle()
+    per = (time.perf_counter() - started) / prompts
+    print(f"  {per * 1e3:.2f} ms per {blocks}-block prompt ({per / blocks * 1e9:.0f} ns a block)")
+
+
 def _hash_mix(tokens: int, repeat: int) -> None:
     rng = random.Random(2)
     prompt = tuple(rng.randrange(50000) for _ in range(tokens))
@@ -264,6 +283,8 @@ def main() -> None:
     asyncio.run(_ingest(args))
     print("block-hash mix:")
     _hash_mix(2048, 200)
+    print("a long prompt's predictions (entered on the event loop once it is sent):")
+    _long_prompt_settle(blocks=3400, capacity=8192, prompts=40)
 
 
 if __name__ == "__main__":
