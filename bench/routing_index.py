@@ -4,8 +4,9 @@
    parent) are published on real ZMQ PUB sockets, one per rank; the clock stops when the
    router's intake thread has applied the last one. Reported as events/s and blocks/s.
 2. Decisions: with ``--blocks`` indexed blocks per rank, ``KvRouter.route`` for prompts that
-   share a prefix with some ranks; p50/p99 per decision, hashing included. The bookkeeping the
-   gateway does once the request is sent (``router.sent()``) and when it ends is timed apart.
+   share a prefix with some ranks; p50/p99 per decision, hashing included, after ``--warmup``
+   untimed ones, with the minor page faults taken meanwhile. The bookkeeping the gateway does
+   once the request is sent (``router.sent()``) and when it ends is timed apart.
    Beside them, a control: fixed pure-Python work of the decisions' median length, timed as
    often, whose p99 is the machine's own tail at that length.
 3. The block-hash mix: CPython's tuple hash (what the router uses) against blake2b.
@@ -23,6 +24,7 @@ import asyncio
 import hashlib
 import os
 import random
+import resource
 import statistics
 import time
 
@@ -136,7 +138,7 @@ async def _ingest(args: argparse.Namespace) -> None:
 
     # Decisions: half the prompts extend a document some ranks hold, half are new.
     prompts = []
-    for n in range(args.decisions):
+    for n in range(args.warmup + args.decisions):
         rank_docs = docs[n % args.ranks]
         if n % 2 == 0:
             doc = rank_docs[rng.randrange(len(rank_docs))]
@@ -145,29 +147,46 @@ async def _ingest(args: argparse.Namespace) -> None:
         else:
             prompt = [rng.randrange(100, 50000) for _ in range(args.prompt_tokens)]
         prompts.append(prepared(prompt, f"d{n}"))
-    times: list[float] = []
-    cpu: list[float] = []
-    after: list[float] = []
+    # Warm-up decisions first, untimed: the router's tables grow to their working size. The
+    # timed ones store their figures in arrays allocated beforehand: a result list growing
+    # during the loop touches new pages while the decisions run, and on some virtual machines
+    # a first touch costs tens of microseconds (it set this bench's p99 before).
+    warmup_faults = _minor_faults()
+    for request in prompts[: args.warmup]:
+        ticket = router.route(request)
+        router.sent()
+        ticket.finished()
+    warmup_faults = _minor_faults() - warmup_faults
+    measured = prompts[args.warmup :]
+    times = array.array("d", bytes(8 * len(measured)))
+    cpu = array.array("d", bytes(8 * len(measured)))
+    after = array.array("d", bytes(8 * len(measured)))
     hits = 0
-    for request in prompts:
+    faults_before = _minor_faults()
+    for n, request in enumerate(measured):
         started = time.perf_counter_ns()
         started_cpu = time.thread_time_ns()
         ticket = router.route(request)
-        cpu.append((time.thread_time_ns() - started_cpu) / 1000)
-        times.append((time.perf_counter_ns() - started) / 1000)
+        cpu[n] = (time.thread_time_ns() - started_cpu) / 1000
+        times[n] = (time.perf_counter_ns() - started) / 1000
         # What the gateway does once the request is on its way, and when it ends.
         started = time.perf_counter_ns()
         router.sent()
         ticket.finished()
-        after.append((time.perf_counter_ns() - started) / 1000)
+        after[n] = (time.perf_counter_ns() - started) / 1000
         hits += ticket.decision.cached_tokens > 0
-    times.sort()
-    cpu.sort()
+    faults = _minor_faults() - faults_before
+    times = array.array("d", sorted(times))
+    cpu = array.array("d", sorted(cpu))
     load = await asyncio.to_thread(_loadavg)
-    mean_tokens = statistics.fmean(len(p.prompt_token_ids) for p in prompts)
+    mean_tokens = statistics.fmean(len(p.prompt_token_ids) for p in measured)
     print(
         f"decisions: {len(times)} prompts (mean {mean_tokens:.0f} tokens, {hits} with hits), "
         f"{args.blocks:,} blocks indexed per rank; 1-min load average {load}"
+    )
+    print(
+        f"  minor page faults: {faults} in the timed decisions, {warmup_faults} in the "
+        f"{args.warmup} before them"
     )
     for label, values in (("wall", times), ("thread CPU", cpu)):
         print(
@@ -183,6 +202,11 @@ async def _ingest(args: argparse.Namespace) -> None:
     await router.close()
     for publisher in publishers:
         publisher.close()
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this thread so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def _rss() -> int:
@@ -215,12 +239,12 @@ def _control(median_us: float, repeat: int) -> None:
     work(rounds)
     per_round = (time.perf_counter_ns() - started) / 1000 / rounds
     rounds = max(1, int(median_us / max(per_round, 1e-3)))
-    samples = []
-    for _ in range(repeat):
+    samples = array.array("d", bytes(8 * repeat))
+    for n in range(repeat):
         started = time.perf_counter_ns()
         work(rounds)
-        samples.append((time.perf_counter_ns() - started) / 1000)
-    samples.sort()
+        samples[n] = (time.perf_counter_ns() - started) / 1000
+    samples = array.array("d", sorted(samples))
     p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
     print(
         f"  control (fixed work of the median's length): p50 {p50:6.0f} us  p99 {p99:6.0f} us "
@@ -270,7 +294,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=100_000, help="indexed blocks per rank")
-    parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--decisions", type=int, default=2000, help="timed route decisions")
+    parser.add_argument(
+        "--warmup", type=int, default=500, help="route decisions before the timed ones"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--tail", type=int, default=200)
     parser.add_argument(

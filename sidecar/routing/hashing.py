@@ -55,11 +55,14 @@ def chain_hashes(
     parent: int,
     block_images: Sequence[tuple[int, ...]] | None = None,
     limit: int | None = None,
+    start: int = 0,
 ) -> list[int]:
-    """Keys of the full blocks of ``tokens``, each chained on the one before ``parent``.
+    """Keys of the full blocks of ``tokens`` from block ``start`` on, each chained on the one
+    before (``parent`` is the key of block ``start - 1``, or the chain's seed).
 
     ``block_images[i]`` holds the image keys overlapping block ``i`` (empty for none).
-    ``tokens`` should be a tuple: slicing a tuple copies pointers only.
+    ``limit`` caps the block index reached. ``tokens`` should be a tuple: slicing a tuple
+    copies pointers only.
     """
     if not isinstance(tokens, tuple):
         tokens = tuple(tokens)
@@ -69,19 +72,78 @@ def chain_hashes(
     out: list[int] = []
     append = out.append
     if block_images is None:
-        for start in range(0, count * block_size, block_size):
-            parent = hash((parent, tokens[start : start + block_size]))
+        for begin in range(start * block_size, count * block_size, block_size):
+            parent = hash((parent, tokens[begin : begin + block_size]))
             append(parent)
         return out
-    for index in range(count):
-        start = index * block_size
+    for index in range(start, count):
+        begin = index * block_size
         images = block_images[index] if index < len(block_images) else ()
         if images:
-            parent = hash((parent, tokens[start : start + block_size], images))
+            parent = hash((parent, tokens[begin : begin + block_size], images))
         else:
-            parent = hash((parent, tokens[start : start + block_size]))
+            parent = hash((parent, tokens[begin : begin + block_size]))
         append(parent)
     return out
+
+
+class KeyChain:
+    """A prepared prompt's block keys, hashed as far as asked.
+
+    A route decision needs a prompt's keys only as far as some rank may hold its prefix:
+    past the first block no rank holds, the match is over. The rest, which the predictions
+    and the regret meter take once the request is on its way, is hashed then (:meth:`finish`).
+    ``hashes`` grows in place, so whoever kept the list sees every key once it is finished.
+    """
+
+    __slots__ = (
+        "_block_images",
+        "_block_size",
+        "_seed",
+        "_tokens",
+        "blocks",
+        "hashes",
+        "prompt_tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: tuple[int, ...],
+        block_size: int,
+        seed: int,
+        block_images: Sequence[tuple[int, ...]] | None,
+        prompt_tokens: int,
+    ) -> None:
+        self._tokens = tokens
+        self._block_size = block_size
+        self._seed = seed
+        self._block_images = block_images
+        # The expanded prompt's length (images at their expanded size where known), and the
+        # blocks that can be hashed: all of them, or those before the first image of unknown
+        # size.
+        self.prompt_tokens = prompt_tokens
+        self.blocks = len(tokens) // block_size
+        self.hashes: list[int] = []
+
+    @property
+    def finished(self) -> bool:
+        return len(self.hashes) >= self.blocks
+
+    def extend(self, blocks: int) -> list[int]:
+        """Hash up to ``blocks`` blocks (at most :attr:`blocks`); the keys so far."""
+        hashes = self.hashes
+        have = len(hashes)
+        if blocks > have and have < self.blocks:
+            parent = hashes[-1] if have else self._seed
+            hashes.extend(
+                chain_hashes(
+                    self._tokens, self._block_size, parent, self._block_images, blocks, have
+                )
+            )
+        return hashes
+
+    def finish(self) -> list[int]:
+        return self.extend(self.blocks)
 
 
 class PromptKeys(msgspec.Struct, frozen=True, gc=False):
@@ -106,33 +168,46 @@ def prompt_keys(
     media: Sequence[MediaInput] = (),
     media_positions: Sequence[int] | None = None,
 ) -> PromptKeys:
-    """Hash a prepared prompt the way :func:`event_block_keys` hashes what an engine stored.
+    """All of a prepared prompt's block keys (see :func:`prompt_chain`)."""
+    chain = prompt_chain(
+        token_ids,
+        block_size,
+        salt=salt,
+        lora_name=lora_name,
+        media=media,
+        media_positions=media_positions,
+    )
+    hashes = chain.finish()
+    return PromptKeys(
+        hashes=hashes, prompt_tokens=chain.prompt_tokens, hashed_tokens=len(hashes) * block_size
+    )
+
+
+def prompt_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    salt: str | None = None,
+    lora_name: str | None = None,
+    media: Sequence[MediaInput] = (),
+    media_positions: Sequence[int] | None = None,
+) -> KeyChain:
+    """Hash a prepared prompt the way :func:`event_block_keys` hashes what an engine stored,
+    as far as asked (:class:`KeyChain`).
 
     Each image occupies one placeholder token at ``media_positions[i]``; vLLM expands it to
     ``media[i].num_tokens`` copies of that token id (or to ``media[i].expansion`` when known),
-    and so does this function. Images whose
-    position or size is unknown stop the hash at their placeholder: everything before it can
-    still be matched.
+    and so does this function. Images whose position or size is unknown stop the hash at their
+    placeholder: everything before it can still be matched.
     """
     seed = chain_seed(salt, lora_name)
     tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
     if not media:
-        return PromptKeys(
-            hashes=chain_hashes(tokens, block_size, seed),
-            prompt_tokens=len(tokens),
-            hashed_tokens=len(tokens) // block_size * block_size,
-        )
+        return KeyChain(tokens, block_size, seed, None, len(tokens))
     expanded, spans, complete = _expand_images(tokens, media, media_positions)
     prompt_tokens = len(expanded) if complete else _expanded_length(tokens, media)
-    if not spans:
-        hashes = chain_hashes(expanded, block_size, seed)
-    else:
-        hashes = chain_hashes(expanded, block_size, seed, _images_per_block(spans, block_size))
-    return PromptKeys(
-        hashes=hashes,
-        prompt_tokens=prompt_tokens,
-        hashed_tokens=len(hashes) * block_size,
-    )
+    images = _images_per_block(spans, block_size) if spans else None
+    return KeyChain(expanded, block_size, seed, images, prompt_tokens)
 
 
 def image_runs(

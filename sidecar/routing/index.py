@@ -262,6 +262,11 @@ class PredictedIndex:
         self.expire()
         return match_masks(hashes, self.slots, self.masks, None).device
 
+    def holds(self, key: int) -> bool:
+        """Whether any rank is believed to hold ``key`` (expired entries may still count)."""
+        self.settle()
+        return key in self.masks
+
     def record(self, slot: int, hashes: Sequence[int]) -> None:
         self._unsettled.append((slot, hashes, self._clock()))
 

@@ -163,6 +163,14 @@ class KvView:
             return table.size(slot, DEVICE), table.size(slot, OFFLOADED)
         return 0, 0
 
+    def holds(self, key: int) -> bool:
+        """Whether any rank holds the block ``key`` on any tier, as far as the view knows."""
+        events = self.events
+        if events is not None:
+            return key in events.device or key in events.offloaded
+        table = self.shared_reader.table() if self.shared_reader is not None else None
+        return table is not None and table.get(key) != (0, 0)
+
     def match(self, hashes: list[int]) -> PrefixMatch | None:
         """Each slot's cached prefix of ``hashes``; None while there is no view to ask."""
         if self.events is not None:

@@ -63,6 +63,7 @@ class Watch:
         "owned",
         "patience",
         "predicted",
+        "reserved",
         "serial",
         "slot",
         "stored",
@@ -83,6 +84,8 @@ class Watch:
         # it was distrusted.
         self.serial = serial
         self.keys = keys
+        # Keys counted against the meter's bound until they are entered or forgotten.
+        self.reserved = len(keys)
         # Blocks the router believed the rank held, and the most vLLM can hit (it always
         # computes a prompt's last token, so a whole-block prompt recomputes its last block).
         self.predicted = predicted
@@ -206,21 +209,32 @@ class RegretMeter:
     def trusted(self, slot: int) -> bool:
         return slot not in self.untrusted
 
-    def watch(self, slot: int, keys: Sequence[int], predicted: int, limit: int) -> Watch | None:
+    def watch(
+        self,
+        slot: int,
+        keys: Sequence[int],
+        predicted: int,
+        limit: int,
+        blocks: int | None = None,
+    ) -> Watch | None:
         """Start watching a prompt routed to ``slot``; None when the bound on watched keys is
         reached (the request then goes unmeasured).
 
-        Its keys are entered in the rank's table by :meth:`register`, once the request is on
-        its way (``Router.sent``): a long prompt is a hundred dictionary writes that need not
-        delay it, and no event about its blocks can come before the engine has it."""
-        if not keys or self._keys + len(keys) > self._max_keys:
+        ``keys`` may still be growing (:class:`~sidecar.routing.hashing.KeyChain`) until the
+        request is on its way; ``blocks`` is how many it will hold then. Its keys are entered
+        in the rank's table by :meth:`register`, once the request is on its way
+        (``Router.sent``): a long prompt is a hundred dictionary writes that need not delay
+        it, and no event about its blocks can come before the engine has it."""
+        count = len(keys) if blocks is None else blocks
+        if not count or self._keys + count > self._max_keys:
             return None
         self._serial += 1
         watch = Watch(
             slot, keys, predicted, limit, self._batches[slot], self._matched[slot], self._serial
         )
         # Reserved now, so the bound holds for the watches not yet registered.
-        self._keys += len(keys)
+        watch.reserved = count
+        self._keys += count
         self._unregistered.append(watch)
         return watch
 
@@ -238,7 +252,7 @@ class RegretMeter:
                 owned = set(keys) - table.keys()
             table.update(zip(owned, repeat(watch)))
             watch.owned = owned
-            self._keys -= len(keys) - len(owned)
+            self._keys -= watch.reserved - len(owned)
 
     def prefilled(self, watch: Watch) -> None:
         """Its prefill is done: score it once its events have had time to arrive."""

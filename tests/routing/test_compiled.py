@@ -22,6 +22,7 @@ TESTS = (
     "tests/routing/test_regret.py",
     "tests/routing/test_production_shape.py",
     "tests/routing/test_affinity.py",
+    "tests/routing/test_hashing.py",
 )
 
 pytestmark = pytest.mark.timeout(600)

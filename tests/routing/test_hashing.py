@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from rankgate.sidecar.routing.hashing import (
     chain_hashes,
     chain_seed,
     event_block_keys,
+    prompt_chain,
     prompt_keys,
     text_key,
 )
@@ -98,3 +100,25 @@ def test_keys_are_the_same_in_another_process() -> None:
     assert runs.pop().strip() == str(
         prompt_keys(list(range(40)), 8, salt="s", lora_name="l").hashes
     )
+
+
+@pytest.mark.parametrize("images", [False, True])
+def test_a_chain_hashed_in_steps_is_the_prompt_hashed_at_once(images: bool) -> None:
+    image = 77
+    tokens = [*range(10), image, *range(10, 40)]
+    media = (MediaInput(uuid="x", num_tokens=9),) if images else ()
+    positions = [10] if images else None
+    whole = prompt_keys(tokens, 4, salt="s", media=media, media_positions=positions)
+    chain = prompt_chain(tokens, 4, salt="s", media=media, media_positions=positions)
+    assert chain.prompt_tokens == whole.prompt_tokens
+    assert chain.blocks == len(whole.hashes)
+    kept = chain.extend(2)
+    assert kept == whole.hashes[:2]
+    assert not chain.finished
+    chain.extend(5)
+    chain.extend(3)  # never shrinks
+    assert kept == whole.hashes[:5]
+    assert chain.finish() is kept  # one list, grown in place for whoever holds it
+    assert kept == whole.hashes
+    assert chain.finished
+    assert chain.extend(chain.blocks + 10) == whole.hashes

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rankgate.sidecar.errors import EngineUnavailable
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
+from rankgate.sidecar.routing.hashing import prompt_keys
 from rankgate.sidecar.routing.metrics import routing_metrics
 from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import MediaInput
@@ -229,6 +230,41 @@ async def test_events_off_prediction_expires() -> None:
     now[0] += 0.4
     turn3 = router.route(prepared([*turn1, *range(600, 700)], "t3"))
     assert turn3.decision.cached_tokens == 0
+
+
+async def test_a_decision_hashes_the_prompt_only_as_far_as_a_rank_holds_it(
+    event_rig: RigFactory,
+) -> None:
+    rig = await event_rig(config=RoutingConfig(share_weight=0))
+    router = rig.router
+    assert isinstance(router, KvRouter)
+    held = list(range(2000, 2000 + 40 * BLOCK))
+    rig.publishers[1].publish([stored(list(range(40)), held, block_size=BLOCK)])
+    await rig.settle(1, 1)
+
+    # A prompt no rank holds: its first blocks decide it; the rest waits until it is sent.
+    fresh = prepared(list(range(5000, 5000 + 60 * BLOCK)), "fresh")
+    ticket = router.route(fresh)
+    assert ticket.decision.cached_tokens == 0
+    assert 0 < len(router.chain(fresh).hashes) < 60
+    router.sent()
+    assert router.chain(fresh).hashes == prompt_keys(fresh.prompt_token_ids, BLOCK).hashes
+    ticket.finished()
+
+    # A prompt whose 40-block prefix rank 1 holds: hashed past the prefix, not to its end,
+    # and the whole prefix counted.
+    longer = prepared([*held, *range(9000, 9000 + 40 * BLOCK)], "longer")
+    ticket = router.route(longer)
+    assert (ticket.decision.rank, ticket.decision.cached_tokens) == (1, 40 * BLOCK)
+    assert 40 < len(router.chain(longer).hashes) < 80
+    router.sent()
+    assert len(router.chain(longer).hashes) == 80
+    ticket.finished()
+
+    # What the decisions left unhashed reached the predictions in full once sent: a third
+    # prompt extending the fresh one finds all 60 of its blocks on the rank it went to.
+    again = rig.route([*fresh.prompt_token_ids, *range(7000, 7008)])
+    assert again[1] == 60 * BLOCK
 
 
 async def test_ties_are_spread_by_first_block_not_rank_zero(event_rig: RigFactory) -> None:

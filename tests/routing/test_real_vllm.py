@@ -56,7 +56,7 @@ async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderT
         block = real_vllm.block_size
         prefix = fresh_prompt(PREFIX_BLOCKS * block)
         tails = [fresh_prompt(block // 2) for _ in range(4)]
-        keys = router.keys(_request(prefix, "probe")).hashes
+        keys = router.chain(_request(prefix, "probe")).finish()
         assert len(keys) == PREFIX_BLOCKS
 
         await _complete(sidecar, _request(prefix + tails[0], "warm", rank=1))

@@ -114,6 +114,21 @@ def test_a_request_that_ends_before_its_prefill_is_not_scored_and_frees_its_keys
     assert m.value("rankgate_routing_measured_requests_total", policy="kv", rank="0") == 0
 
 
+def test_keys_still_hashing_count_whole_against_the_bound_and_are_all_freed() -> None:
+    m = Clocked()
+    growing = list(range(8))  # a prompt of 40 blocks, 8 hashed when it was routed
+    first = m.meter.watch(0, growing, 0, 40, blocks=40)
+    assert first is not None
+    # Its 40 are reserved: 30 more would pass the bound of 64.
+    assert m.meter.watch(1, list(range(100, 130)), 0, 30) is None
+    # Ended before it was sent, its keys never finished: all 40 are freed all the same.
+    m.meter.dropped(first)
+    for _ in range(5):
+        watch = m.meter.watch(0, list(range(200, 260)), 0, 60)
+        assert watch is not None
+        m.meter.dropped(watch)
+
+
 def test_watching_is_bounded_in_keys() -> None:
     m = Clocked()
     assert m.meter.watch(0, list(range(60)), 0, 60) is not None

@@ -44,7 +44,7 @@ from mypy_extensions import mypyc_attr
 from rankgate.sidecar.routing.affinity import AffinityTable
 from rankgate.sidecar.routing.base import PrefillCost, RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
-from rankgate.sidecar.routing.hashing import PromptKeys, prompt_keys
+from rankgate.sidecar.routing.hashing import KeyChain, prompt_chain
 from rankgate.sidecar.routing.index import PredictedIndex
 from rankgate.sidecar.routing.kv_view import KvView
 from rankgate.sidecar.routing.load import RecentWork
@@ -54,6 +54,10 @@ from rankgate.sidecar.routing.regret import RegretMeter, WatchedTicket
 from rankgate.sidecar.types import EngineInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
+
+# Blocks hashed before the decision first asks whether any rank holds the prompt's last one
+# hashed so far; each further round hashes twice as many.
+_FIRST_KEYS = 8
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -81,7 +85,9 @@ class KvRouter(RankedRouter):
         self.regret: RegretMeter | None = None
         self._affinity_followed = metrics.affinity.labels("followed")
         self._affinity_yielded = metrics.affinity.labels("yielded")
-        self._last: tuple[PreparedRequest, PromptKeys] | None = None
+        self._last: tuple[PreparedRequest, KeyChain] | None = None
+        # Routed prompts whose keys past the decision's are still to hash (see :meth:`sent`).
+        self._unhashed: list[KeyChain] = []
         self._spill_hot = metrics.spills.labels("hot_prefix")
         self._spill_full = metrics.spills.labels("capacity")
 
@@ -138,6 +144,7 @@ class KvRouter(RankedRouter):
 
     def sent(self) -> None:
         """The routed request is on its way: the bookkeeping it left for now."""
+        self._finish_keys()
         if self.predicted is not None:
             self.predicted.settle()
         if self.regret is not None:
@@ -153,8 +160,8 @@ class KvRouter(RankedRouter):
         predicted = self.predicted.size(slot) if self.predicted is not None else 0
         return (*self.view.sizes(slot), predicted)
 
-    def keys(self, request: PreparedRequest) -> PromptKeys:
-        """The request's block keys, computed once for all its choices."""
+    def chain(self, request: PreparedRequest) -> KeyChain:
+        """The request's block keys, kept for all its choices."""
         last = self._last
         if last is not None and last[0] is request:
             return last[1]
@@ -166,7 +173,7 @@ class KvRouter(RankedRouter):
         elif media and self.config.image_token_id is not None:
             image = self.config.image_token_id
             positions = [i for i, token in enumerate(request.prompt_token_ids) if token == image]
-        keys = prompt_keys(
+        chain = prompt_chain(
             request.prompt_token_ids,
             topology.block_size,
             salt=request.cache_salt,
@@ -174,18 +181,45 @@ class KvRouter(RankedRouter):
             media=request.media,
             media_positions=positions,
         )
-        self._last = (request, keys)
-        return keys
+        self._last = (request, chain)
+        return chain
+
+    def _decision_keys(self, chain: KeyChain) -> list[int]:
+        """The prompt's keys as far as the decision needs them: through the first block no
+        rank is believed to hold, past which no match goes. A new 2k-token prompt is one block
+        hashed instead of 128; the rest waits for :meth:`sent`."""
+        hashes = chain.hashes
+        step = _FIRST_KEYS
+        view = self.view
+        predicted = self.predicted
+        while len(hashes) < chain.blocks:
+            if hashes:
+                last = hashes[-1]
+                if not view.holds(last) and (predicted is None or not predicted.holds(last)):
+                    break
+            chain.extend(len(hashes) + step)
+            step *= 2
+        return hashes
+
+    def _finish_keys(self) -> None:
+        """Hash what routed prompts left unhashed, before anything reads their keys whole."""
+        if self._unhashed:
+            for chain in self._unhashed:
+                chain.finish()
+            self._unhashed = []
 
     def route(
         self, request: PreparedRequest, choice: int = 0, full: AbstractSet[int] = frozenset()
     ) -> RouteTicket:
         topology = self._require_topology()
         self.load.sync()
-        keys = self.keys(request)
-        hashes = keys.hashes
+        self._finish_keys()
+        chain = self.chain(request)
+        hashes = self._decision_keys(chain)
+        if not chain.finished:
+            self._unhashed.append(chain)
         block = topology.block_size
-        prompt_tokens = keys.prompt_tokens
+        prompt_tokens = chain.prompt_tokens
         cached = self._cached_tokens(hashes, block, prompt_tokens)
         remembered = self._affinity(request, cached, block, prompt_tokens)
         # What the view believes each rank holds; a rank whose view is not trusted is routed
@@ -220,7 +254,11 @@ class KvRouter(RankedRouter):
         )
         if regret is not None:
             watch = regret.watch(
-                slot, hashes, believed[slot] // block, (prompt_tokens - 1) // block
+                slot,
+                hashes,
+                believed[slot] // block,
+                (prompt_tokens - 1) // block,
+                blocks=chain.blocks,
             )
             if watch is not None:
                 return WatchedTicket(ticket, regret, watch)
@@ -229,9 +267,9 @@ class KvRouter(RankedRouter):
     def prefill_cost(self, request: PreparedRequest) -> PrefillCost:
         """The rank where the uncached prompt plus the load already there is least."""
         topology = self._require_topology()
-        keys = self.keys(request)
-        total = keys.prompt_tokens
-        cached = self._cached_tokens(keys.hashes, topology.block_size, total)
+        chain = self.chain(request)
+        total = chain.prompt_tokens
+        cached = self._cached_tokens(self._decision_keys(chain), topology.block_size, total)
         hit, load = min(
             zip(cached, self.rank_loads(), strict=True), key=lambda pair: pair[1] - pair[0]
         )
