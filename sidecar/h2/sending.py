@@ -267,29 +267,33 @@ class H2Sending(Generic[S]):
         return False
 
     def _drain(self) -> None:
-        """Send what the windows allow of every stream waiting for them."""
+        """Send what the windows allow of the streams waiting for them, one frame a stream in
+        turn. The connection window is shared: drained one stream after another, a short
+        request queued behind long prompts waited for all of them to leave first."""
         blocked = self._blocked
         streams = self.streams
-        for _ in range(len(blocked)):
-            if self.send_window <= 0:
-                return
+        out = self.out
+        stalled = 0
+        while blocked and self.send_window > 0 and stalled < len(blocked):
             stream = blocked.popleft()
             pending = stream.pending
             if pending is None or streams.get(stream.stream_id) is not stream:
                 stream.pending = None
                 continue
-            parts = []
-            while pending and self.send_window > 0 and stream.send_window > 0:
-                size = min(len(pending), self.peer_max_frame, self.send_window, stream.send_window)
-                last = size == len(pending)
-                flags = END_STREAM if last and stream.pending_end else 0
-                parts.append(frame_head(DATA, flags, stream.stream_id, size) + pending[:size])
+            if stream.send_window <= 0:
+                # Waiting on its own window: the others may still go.
+                blocked.append(stream)
+                stalled += 1
+                continue
+            stalled = 0
+            size = min(len(pending), self.peer_max_frame, self.send_window, stream.send_window)
+            last = size == len(pending)
+            flags = END_STREAM if last and stream.pending_end else 0
+            out.append(frame_head(DATA, flags, stream.stream_id, size) + pending[:size])
+            self.send_window -= size
+            stream.send_window -= size
+            if not last:
                 del pending[:size]
-                self.send_window -= size
-                stream.send_window -= size
-            if parts:
-                self.out.append(b"".join(parts))
-            if pending:
                 blocked.append(stream)
                 continue
             stream.pending = None

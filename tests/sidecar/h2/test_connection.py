@@ -115,6 +115,36 @@ def test_send_data_waits_for_window_and_frame_size_then_drains() -> None:
     assert stream.got == [("drained",)]
 
 
+def test_streams_waiting_on_the_connection_window_take_turns_a_frame_each() -> None:
+    conn: H2Connection[_Stream] = H2Connection(client=True)
+    conn.initiate()
+    # Large stream windows, the default connection window: the connection is the bottleneck.
+    conn.receive(frames.settings_frame(((frames.SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20),)))
+    long_a, long_b, short = _Stream(), _Stream(), _Stream()
+    for stream in (long_a, long_b, short):
+        conn.open_stream(stream)
+    conn.data_to_send()
+    prompt = bytes(200_000)
+    assert not conn.send_data(long_a, prompt, end_stream=True)
+    assert not conn.send_data(long_b, prompt, end_stream=True)
+    assert not conn.send_data(short, b"q" * 100, end_stream=True)
+    assert sum(len(p) for *_, p in _frames(conn.data_to_send())) == frames.DEFAULT_WINDOW
+
+    room = 2 * frames.DEFAULT_MAX_FRAME + 100 + 5_000
+    conn.receive(frames.frame(frames.WINDOW_UPDATE, 0, 0, struct.pack(">L", room)))
+    sent = [(sid, len(payload), flags) for _, flags, sid, payload in _frames(conn.data_to_send())]
+    # One frame of each long prompt, then the short request whole, then the rest of the room.
+    ids = (long_a.stream_id, long_b.stream_id, short.stream_id)
+    assert sent == [
+        (ids[0], frames.DEFAULT_MAX_FRAME, 0),
+        (ids[1], frames.DEFAULT_MAX_FRAME, 0),
+        (ids[2], 100, frames.END_STREAM),
+        (ids[0], 5_000, 0),
+    ]
+    assert short.got == [("drained",)]
+    assert long_a.got == long_b.got == []
+
+
 def test_a_larger_peer_frame_size_is_used_and_headers_are_split_at_it() -> None:
     conn, stream = _client()
     conn.receive(frames.settings_frame(((frames.SETTINGS_MAX_FRAME_SIZE, 20_000),)))
