@@ -33,6 +33,7 @@ import multiprocessing.queues
 import multiprocessing.synchronize
 import os
 import random
+import shlex
 import statistics
 import tempfile
 import threading
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> str:
     tokenizer = llama_tokenizer.ensure()
     starters: dict[str, Callable[[ExitStack, peers.Engine], peers.Gateway]] = {
         "rankgate": lambda stack, engine: peers.start_rankgate(
-            stack, engine, "kv", cpus=args.gateway_cpu
+            stack, engine, "kv", shlex.split(args.rankgate_args), cpus=args.gateway_cpu
         ),
         "vllm-router": lambda stack, engine: peers.start_vllm_router(
             stack, engine, "kv_aware", cpus=args.gateway_cpu
@@ -308,6 +309,12 @@ def main() -> None:
         default="mock",
         help="our mock (KV events on), or the Node fake (bench/node_engine.mjs), which "
         "reads a big prompt without work of its own and publishes no KV events",
+    )
+    parser.add_argument(
+        "--rankgate-args",
+        default="",
+        help="more flags for rankgate serve, for one-change controls "
+        "(for example --rankgate-args='--route-regret-keys 0')",
     )
     parser.add_argument("--markdown", action="store_true")
     print(run(parser.parse_args()))

@@ -23,6 +23,7 @@ TESTS = (
     "tests/routing/test_production_shape.py",
     "tests/routing/test_affinity.py",
     "tests/routing/test_hashing.py",
+    "tests/routing/test_index.py",
 )
 
 pytestmark = pytest.mark.timeout(600)

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 # Blocks hashed before the decision first asks whether any rank holds the prompt's last one
 # hashed so far; each further round hashes twice as many.
-_FIRST_KEYS = 8
+_FIRST_KEYS = 16
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -186,16 +186,22 @@ class KvRouter(RankedRouter):
 
     def _decision_keys(self, chain: KeyChain) -> list[int]:
         """The prompt's keys as far as the decision needs them: through the first block no
-        rank is believed to hold, past which no match goes. A new 2k-token prompt is one block
-        hashed instead of 128; the rest waits for :meth:`sent`."""
+        rank is believed to hold, past which no match goes. A new 2k-token prompt is one
+        round hashed instead of 128 blocks; the rest waits for :meth:`sent`.
+
+        Rounds are whole multiples of the predictions' stride, so each ends on a checkpoint
+        (:class:`~sidecar.routing.index.PredictedIndex` keeps one key in ``stride``)."""
         hashes = chain.hashes
-        step = _FIRST_KEYS
         view = self.view
         predicted = self.predicted
+        stride = predicted.stride if predicted is not None else 1
+        step = max(_FIRST_KEYS, stride) // stride * stride
         while len(hashes) < chain.blocks:
             if hashes:
-                last = hashes[-1]
-                if not view.holds(last) and (predicted is None or not predicted.holds(last)):
+                checkpoint = hashes[len(hashes) // stride * stride - 1]
+                if not view.holds(hashes[-1]) and (
+                    predicted is None or not predicted.holds(checkpoint)
+                ):
                     break
             chain.extend(len(hashes) + step)
             step *= 2
