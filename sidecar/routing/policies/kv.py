@@ -331,16 +331,22 @@ class KvRouter(RankedRouter):
         load = self.load
         config = self.config
         wp, wd, wq = config.prefill_weight, config.decode_weight, config.queue_weight
-        costs = [
-            wp * (prompt_tokens - hit + wq * queued) + wd * decoding
-            for hit, queued, decoding in zip(
-                cached, load.prefill_tokens, load.decode_tokens, strict=True
-            )
-        ]
         if self.recent is not None:
             factor, raw = self.recent.scaled()
             wr = config.recent_weight * factor
-            costs = [cost + wr * tokens for cost, tokens in zip(costs, raw, strict=True)]
+            costs = [
+                wp * (prompt_tokens - hit + wq * queued) + wd * decoding + wr * tokens
+                for hit, queued, decoding, tokens in zip(
+                    cached, load.prefill_tokens, load.decode_tokens, raw, strict=True
+                )
+            ]
+        else:
+            costs = [
+                wp * (prompt_tokens - hit + wq * queued) + wd * decoding
+                for hit, queued, decoding in zip(
+                    cached, load.prefill_tokens, load.decode_tokens, strict=True
+                )
+            ]
         if self.shares is not None:
             factor, raw = self.shares.scaled()
             mean = sum(raw) * factor / len(raw)
