@@ -147,16 +147,14 @@ class KeyChain:
 
 
 class PromptKeys(msgspec.Struct, frozen=True, gc=False):
-    """A request's block keys and the token count they were computed over.
+    """A request's block keys and its expanded length.
 
-    ``tokens`` is the expanded prompt length (images counted at their expanded size) when every
-    image's size is known; otherwise only the text before the first unknown image is hashed and
-    ``hashed_tokens`` says how far the keys reach.
+    ``prompt_tokens`` counts images at their expanded size. When some image's size is unknown
+    only the text before it is hashed: the keys reach ``len(hashes) * block_size`` tokens.
     """
 
     hashes: list[int]
     prompt_tokens: int
-    hashed_tokens: int
 
 
 def prompt_keys(
@@ -177,10 +175,7 @@ def prompt_keys(
         media=media,
         media_positions=media_positions,
     )
-    hashes = chain.finish()
-    return PromptKeys(
-        hashes=hashes, prompt_tokens=chain.prompt_tokens, hashed_tokens=len(hashes) * block_size
-    )
+    return PromptKeys(hashes=chain.finish(), prompt_tokens=chain.prompt_tokens)
 
 
 def prompt_chain(
