@@ -13,14 +13,13 @@ the event loop. With API keys set, both need one (vLLM leaves them open).
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rankgate.app.errors import ApiError, invalid, unsupported
 from rankgate.app.gateway import Gateway
+from rankgate.app.offload import offload
 from rankgate.app.prepare.chat import OFFLOAD_BYTES
 from rankgate.app.prepare.params import check_token_ids, refuse_unfitting_text
 from rankgate.app.routes.common import body_size, decode_body, gateway_of
@@ -75,7 +74,7 @@ async def tokenize(request: Request) -> Response:
     strs = None
     if req.return_token_strs:
         strings = gateway.tokenizer.token_strings
-        strs = await asyncio.to_thread(strings, ids) if size > OFFLOAD_BYTES else strings(ids)
+        strs = await offload(strings, ids) if size > OFFLOAD_BYTES else strings(ids)
     return _json(
         TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=list(ids), token_strs=strs
@@ -106,7 +105,7 @@ async def _tokens(
             raise refuse_unfitting_text(len(req.prompt), max_model_len, "prompt")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         if size > OFFLOAD_BYTES:
-            encoded = await asyncio.to_thread(gateway.tokenizer.encode, req.prompt, add_special)
+            encoded = await offload(gateway.tokenizer.encode, req.prompt, add_special)
         else:
             encoded = gateway.tokenizer.encode(req.prompt, add_special)
         return tuple(encoded)
@@ -157,7 +156,7 @@ async def detokenize(request: Request) -> Response:
         return gateway.tokenizer.decode(req.tokens, skip_special_tokens=False)
 
     if body_size(request) > OFFLOAD_BYTES:
-        text = await asyncio.to_thread(detokenized)
+        text = await offload(detokenized)
     else:
         text = detokenized()
     return _json(DetokenizeResponse(prompt=text))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from rankgate.app.offload import NICENESS, offload
+from rankgate.app.offload import NICENESS, _cgroup_quota, background, offload, usable_cpus
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -30,3 +33,66 @@ async def test_offload_passes_arguments_and_returns_the_result() -> None:
     assert await offload(divmod, 17, 5) == (3, 2)
     with pytest.raises(ZeroDivisionError):
         await offload(divmod, 1, 0)
+
+
+async def test_offload_threads_never_outnumber_the_usable_cpus() -> None:
+    # More threads than CPUs add no throughput to CPU-bound work, only GIL handovers that
+    # keep the loop waiting (bench/offload_threads.py).
+    started = threading.Barrier(2, timeout=0.2)
+
+    def which() -> str:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            started.wait()
+        return threading.current_thread().name
+
+    names = await asyncio.gather(*(offload(which) for _ in range(32)))
+    assert 1 <= len(set(names)) <= usable_cpus()
+
+
+def test_usable_cpus_is_within_the_affinity() -> None:
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("max 100000\n", None),
+        ("150000 100000\n", 1.5),
+        ("200000 100000", 2.0),
+        ("50000 100000\n", 0.5),
+        ("", None),
+        ("lots of\n", None),
+        ("100000 0\n", None),
+    ],
+)
+def test_cgroup_quota(tmp_path: Path, content: str, expected: float | None) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(content)
+    assert _cgroup_quota(str(path)) == expected
+
+
+def test_cgroup_quota_without_the_file(tmp_path: Path) -> None:
+    assert _cgroup_quota(str(tmp_path / "absent")) is None
+
+
+async def test_background_work_does_not_hold_up_offloaded_work() -> None:
+    running = threading.Event()
+    release = threading.Event()
+    names: list[str] = []
+
+    def long_check() -> None:
+        names.append(threading.current_thread().name)
+        running.set()
+        release.wait(10)
+
+    background(long_check)
+    try:
+        assert await asyncio.to_thread(running.wait, 10)
+        # Every offload thread is free: the check runs on a thread of its own.
+        results = await asyncio.wait_for(
+            asyncio.gather(*(offload(divmod, n, 3) for n in range(usable_cpus() * 2))), 10
+        )
+        assert results == [divmod(n, 3) for n in range(usable_cpus() * 2)]
+    finally:
+        release.set()
+    assert names[0].startswith("rankgate-background")
