@@ -147,7 +147,7 @@ async def check_shape(body: bytes, limits: InputLimits) -> None:
     )
     measure = _measure_with(limits)
     if len(body) > SCAN_OFFLOAD_BYTES:
-        shape = await offload(measure, body)
+        shape = await offload(len(body), measure, body)
     elif could_exceed(body, depth, containers, items):
         shape = measure(body)
     else:

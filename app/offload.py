@@ -11,10 +11,15 @@ left, which under load is most of it.
 There are no more of these threads than CPUs the process may use. The work is CPU-bound, and
 the tokenizers release the GIL while they encode, so threads beyond the CPUs add no throughput,
 only handovers of the GIL: each time one returns from the tokenizer to Python it takes the GIL
-from the loop, and with eight such threads sharing one CPU the loop went 30 ms at a time
-without it (p99 of its wake-ups), against 1.3 ms with one thread for the same encoding work
-(``bench/offload_threads.py``). Work a running gateway can do without (:func:`background`)
-has a thread of its own, so a long check never queues a request's work behind it.
+from the loop, and with eight such threads sharing one CPU the loop's wake-ups came 27-29 ms
+late at p99, against 1.6 ms with one thread doing the same encoding (``bench/offload_threads.py``).
+
+With few threads, work waits its turn, and a queue in arrival order would hold a 20 KB prompt
+behind every megabyte prompt queued before it. The queue is ordered by estimated finish
+instead: the time the work was queued plus its size at a nominal rate (:data:`SECONDS_PER_BYTE`).
+A medium prompt passes huge ones queued just before it, and no work waits on later arrivals
+for longer than about its own size's worth. Work a running gateway can do without
+(:func:`background`) has a thread of its own, so a long check never holds up a request.
 """
 
 from __future__ import annotations
@@ -22,16 +27,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import math
 import os
+import queue
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 # Below the loop's priority by enough that the scheduler gives the loop about ten times the
 # share of a busy offload thread (CFS weights 1024 and 110).
 NICENESS = 10
+# The queue's exchange rate between waiting and size: a megabyte of input goes behind work
+# queued up to a second after it. Well above what tokenizing costs a byte (tiktoken encodes
+# 220 KB of prose in about 15 ms here), so a medium prompt passes every big one a full queue
+# holds, while a big one still waits on later arrivals for a bounded time.
+SECONDS_PER_BYTE = 1e-6
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -71,11 +85,66 @@ def _cgroup_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
         return None
 
 
-_pool = ThreadPoolExecutor(
-    max_workers=usable_cpus(),
-    thread_name_prefix="rankgate-offload",
-    initializer=_lower_priority,
-)
+@dataclass(order=True)
+class _Work:
+    due: float
+    order: int
+    run: Callable[[], Any] = field(compare=False)
+    future: Future[Any] = field(compare=False)
+
+
+class FinishOrderedPool:
+    """Worker threads at the offload priority that take queued work soonest-due first."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self.workers = workers
+        self._name = name
+        self._queue: queue.PriorityQueue[_Work] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._started = 0
+        if hasattr(os, "register_at_fork"):
+            # A forked child has none of its parent's threads: it starts its own.
+            os.register_at_fork(after_in_child=self._forget_threads)
+
+    def submit(self, run: Callable[[], _T], size: int) -> Future[_T]:
+        """``run()`` on a worker, queued as due ``size`` bytes' worth after now."""
+        future: Future[_T] = Future()
+        due = time.monotonic() + size * SECONDS_PER_BYTE
+        self._queue.put(_Work(due, next(self._order), run, future))
+        if self._started < self.workers:
+            self._start()
+        return future
+
+    def _start(self) -> None:
+        with self._lock:
+            while self._started < self.workers:
+                self._started += 1
+                name = f"{self._name}_{self._started}"
+                threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        _lower_priority()
+        while True:
+            work = self._queue.get()
+            # False when the awaiting request was cancelled (its client left) meanwhile.
+            if not work.future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = work.run()
+            except BaseException as exc:
+                work.future.set_exception(exc)
+            else:
+                work.future.set_result(result)
+            del work
+
+    def _forget_threads(self) -> None:
+        self._queue = queue.PriorityQueue()
+        self._lock = threading.Lock()
+        self._started = 0
+
+
+_pool = FinishOrderedPool(usable_cpus(), "rankgate-offload")
 _background = ThreadPoolExecutor(
     max_workers=1,
     thread_name_prefix="rankgate-background",
@@ -83,10 +152,10 @@ _background = ThreadPoolExecutor(
 )
 
 
-async def offload(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-    """``fn(*args, **kwargs)`` on a low-priority worker thread."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_pool, functools.partial(fn, *args, **kwargs))
+async def offload(size: int, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """``fn(*args, **kwargs)`` on a low-priority worker thread; ``size`` (bytes of the input it
+    reads) places it in the queue. Cancelling the caller drops work not yet started."""
+    return await asyncio.wrap_future(_pool.submit(functools.partial(fn, *args, **kwargs), size))
 
 
 def background(fn: Callable[_P, object], *args: _P.args, **kwargs: _P.kwargs) -> None:

@@ -6,11 +6,13 @@ the ids to Python, and a thread that takes it makes the loop wait. This runs the
 tokenizer (:class:`TextTokenizer`, the Llama-sized one of :mod:`llama_tokenizer`) on pools of
 ``--threads`` threads at the offload threads' priority, ``--clients`` big prompts of
 ``--kb`` KB (each new) kept in flight, all on ``--cpus``, while the loop (uvloop) sleeps 1 ms at
-a time and records how late each wake-up is. It prints, per pool size, the big prompts encoded
-a second and the lateness p50, p99 and max: what a short request beside them waits per
-loop turn.
+a time and records how late each wake-up is. Beside them, a medium prompt of ``--medium-kb``
+KB is sent every 50 ms. It prints, per pool size and queue order (``--orders``: ``fifo``, a
+``ThreadPoolExecutor``; ``finish``, the gateway's :class:`FinishOrderedPool`), the big prompts
+encoded a second, the loop's lateness p50, p99 and max (what a short request beside them waits
+per loop turn), and the medium prompts' p50 and p99 time to be encoded.
 
-    .venv/bin/python bench/offload_threads.py [--threads 1 2 4 8] [--cpus 1]
+    .venv/bin/python bench/offload_threads.py [--threads 1 2 4 8] [--orders fifo finish] [--cpus 1]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import llama_tokenizer
 import uvloop
 from long_prompts import WORDS
 
-from rankgate.app.offload import NICENESS
+from rankgate.app.offload import NICENESS, FinishOrderedPool
 from rankgate.app.prepare.tokenizer import TextTokenizer
 
 
@@ -54,11 +56,29 @@ def lower_priority() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
 
 
-async def run(tok: TextTokenizer, base: list[str], threads: int, args: argparse.Namespace) -> str:
+async def run(
+    tok: TextTokenizer,
+    base: list[str],
+    medium: str,
+    threads: int,
+    order: str,
+    args: argparse.Namespace,
+) -> str:
     loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(threads, initializer=lower_priority)
+    fifo = ThreadPoolExecutor(threads, initializer=lower_priority) if order == "fifo" else None
+    ordered = FinishOrderedPool(threads, "bench") if order == "finish" else None
+
+    async def encode(text: str) -> list[int]:
+        if fifo is not None:
+            return await loop.run_in_executor(fifo, tok.encode, text, False)
+        assert ordered is not None
+        return await asyncio.wrap_future(
+            ordered.submit(lambda: tok.encode(text, False), len(text.encode()))
+        )
+
     done = 0
     stop = False
+    medium_times: list[float] = []
 
     async def client(k: int) -> None:
         nonlocal done
@@ -67,10 +87,25 @@ async def run(tok: TextTokenizer, base: list[str], threads: int, args: argparse.
             n += 1
             # A new text each time: a prompt never seen, so no piece of it is remembered.
             text = f"{k} {n} " + base[(k + n) % len(base)]
-            await loop.run_in_executor(pool, tok.encode, text, False)
+            await encode(text)
             done += 1
 
+    async def one_medium(n: int) -> None:
+        started = time.perf_counter()
+        await encode(f"medium {n} " + medium)
+        medium_times.append((time.perf_counter() - started) * 1e3)
+
+    async def mediums() -> None:
+        sent: list[asyncio.Task[None]] = []
+        n = 0
+        while not stop:
+            n += 1
+            sent.append(asyncio.create_task(one_medium(n)))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*sent)
+
     clients = [asyncio.create_task(client(k)) for k in range(args.clients)]
+    clients.append(asyncio.create_task(mediums()))
     await asyncio.sleep(1.0)
     late: list[float] = []
     started, before = time.perf_counter(), done
@@ -81,11 +116,15 @@ async def run(tok: TextTokenizer, base: list[str], threads: int, args: argparse.
     rate = (done - before) / (time.perf_counter() - started)
     stop = True
     await asyncio.gather(*clients)
-    pool.shutdown()
+    if fifo is not None:
+        fifo.shutdown()
     late.sort()
+    medium_times.sort()
     return (
-        f"{threads:>7}  {rate:10.1f}  {late[len(late) // 2]:8.2f}  "
-        f"{late[int(len(late) * 0.99)]:8.2f}  {late[-1]:8.2f}"
+        f"{threads:>7}  {order:<6}  {rate:13.1f}  {late[len(late) // 2]:8.2f}  "
+        f"{late[int(len(late) * 0.99)]:8.2f}  {late[-1]:8.2f}  "
+        f"{medium_times[len(medium_times) // 2]:10.1f}  "
+        f"{medium_times[int(len(medium_times) * 0.99)]:10.1f}"
     )
 
 
@@ -94,6 +133,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--clients", type=int, default=8, help="big prompts kept in flight")
     parser.add_argument("--kb", type=int, default=220)
+    parser.add_argument("--medium-kb", type=int, default=20)
+    parser.add_argument(
+        "--orders", nargs="+", choices=("fifo", "finish"), default=["fifo", "finish"]
+    )
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--cpus", default="1", help="CPU list this process runs on")
     args = parser.parse_args()
@@ -102,13 +145,15 @@ def main() -> None:
     tok = TextTokenizer(llama_tokenizer.ensure())
     tok.fast_checked.wait(300)
     base = texts(16, args.kb)
+    medium = texts(1, args.medium_kb)[0]
     print(
         f"{args.clients} big prompts ({args.kb} KB, new each time) in flight on CPUs {args.cpus}; "
         f"tiktoken {'on' if tok.fast else 'off'}; the loop's 1 ms sleeps, how late they wake (ms)"
     )
-    print("threads  big prompts/s  late p50  late p99  late max")
+    print("threads  order   big prompts/s  late p50  late p99  late max  medium p50  medium p99")
     for threads in args.threads:
-        print(uvloop.run(run(tok, base, threads, args)), flush=True)
+        for order in args.orders:
+            print(uvloop.run(run(tok, base, medium, threads, order, args)), flush=True)
 
 
 if __name__ == "__main__":

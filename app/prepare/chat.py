@@ -466,7 +466,7 @@ class ChatPreparer:
         def convert() -> list[dict[str, Any]]:
             return [converter.message(m, i) for i, m in enumerate(req.messages)]
 
-        messages = await offload_to(convert) if offload else convert()
+        messages = await offload_to(body_size, convert) if offload else convert()
         if converter.media:
             self._check_media_served(converter.media, req.model)
         extra = dict(req.chat_template_kwargs or {})
@@ -514,7 +514,7 @@ class ChatPreparer:
             ids = cached
         else:
             try:
-                ids = await offload_to(render) if offload else render()
+                ids = await offload_to(body_size, render) if offload else render()
             except TemplateRenderError as exc:
                 raise invalid(f"chat template error: {exc}", "messages") from None
             if key is not None:

@@ -127,7 +127,7 @@ class CompletionPreparer:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         args = (req, add_special, request_id, lora_name, max_model_len, rank, trace, affinity)
         if body_size > OFFLOAD_BYTES:
-            return await offload(self._build, *args)
+            return await offload(body_size, self._build, *args)
         return self._build(*args)
 
     def _build(

@@ -74,7 +74,7 @@ async def tokenize(request: Request) -> Response:
     strs = None
     if req.return_token_strs:
         strings = gateway.tokenizer.token_strings
-        strs = await offload(strings, ids) if size > OFFLOAD_BYTES else strings(ids)
+        strs = await offload(size, strings, ids) if size > OFFLOAD_BYTES else strings(ids)
     return _json(
         TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=list(ids), token_strs=strs
@@ -105,7 +105,7 @@ async def _tokens(
             raise refuse_unfitting_text(len(req.prompt), max_model_len, "prompt")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         if size > OFFLOAD_BYTES:
-            encoded = await offload(gateway.tokenizer.encode, req.prompt, add_special)
+            encoded = await offload(size, gateway.tokenizer.encode, req.prompt, add_special)
         else:
             encoded = gateway.tokenizer.encode(req.prompt, add_special)
         return tuple(encoded)
@@ -155,8 +155,9 @@ async def detokenize(request: Request) -> Response:
         check_token_ids(req.tokens, gateway.tokenizer.vocab_size, "tokens")
         return gateway.tokenizer.decode(req.tokens, skip_special_tokens=False)
 
-    if body_size(request) > OFFLOAD_BYTES:
-        text = await offload(detokenized)
+    size = body_size(request)
+    if size > OFFLOAD_BYTES:
+        text = await offload(size, detokenized)
     else:
         text = detokenized()
     return _json(DetokenizeResponse(prompt=text))

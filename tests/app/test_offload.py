@@ -7,11 +7,19 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from rankgate.app.offload import NICENESS, _cgroup_quota, background, offload, usable_cpus
+from rankgate.app.offload import (
+    NICENESS,
+    FinishOrderedPool,
+    _cgroup_quota,
+    background,
+    offload,
+    usable_cpus,
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -21,7 +29,7 @@ async def test_offloaded_work_runs_below_the_loops_priority() -> None:
         return own, threading.current_thread().name
 
     loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    worker_nice, name = await offload(niceness)
+    worker_nice, name = await offload(0, niceness)
     assert name.startswith("rankgate-offload")
     assert worker_nice == min(19, loop_nice + NICENESS) or worker_nice == NICENESS
     assert worker_nice > loop_nice
@@ -30,9 +38,9 @@ async def test_offloaded_work_runs_below_the_loops_priority() -> None:
 
 
 async def test_offload_passes_arguments_and_returns_the_result() -> None:
-    assert await offload(divmod, 17, 5) == (3, 2)
+    assert await offload(100, divmod, 17, 5) == (3, 2)
     with pytest.raises(ZeroDivisionError):
-        await offload(divmod, 1, 0)
+        await offload(100, divmod, 1, 0)
 
 
 async def test_offload_threads_never_outnumber_the_usable_cpus() -> None:
@@ -45,7 +53,7 @@ async def test_offload_threads_never_outnumber_the_usable_cpus() -> None:
             started.wait()
         return threading.current_thread().name
 
-    names = await asyncio.gather(*(offload(which) for _ in range(32)))
+    names = await asyncio.gather(*(offload(0, which) for _ in range(32)))
     assert 1 <= len(set(names)) <= usable_cpus()
 
 
@@ -90,9 +98,75 @@ async def test_background_work_does_not_hold_up_offloaded_work() -> None:
         assert await asyncio.to_thread(running.wait, 10)
         # Every offload thread is free: the check runs on a thread of its own.
         results = await asyncio.wait_for(
-            asyncio.gather(*(offload(divmod, n, 3) for n in range(usable_cpus() * 2))), 10
+            asyncio.gather(*(offload(n, divmod, n, 3) for n in range(usable_cpus() * 2))), 10
         )
         assert results == [divmod(n, 3) for n in range(usable_cpus() * 2)]
     finally:
         release.set()
     assert names[0].startswith("rankgate-background")
+
+
+def _busy(pool: FinishOrderedPool) -> threading.Event:
+    """Every worker of ``pool`` held until the returned event is set."""
+    release = threading.Event()
+    running = threading.Semaphore(0)
+
+    def hold() -> None:
+        running.release()
+        release.wait(10)
+
+    for _ in range(pool.workers):
+        pool.submit(hold, 0)
+    for _ in range(pool.workers):
+        assert running.acquire(timeout=10)
+    return release
+
+
+def test_smaller_work_passes_bigger_work_queued_before_it() -> None:
+    pool = FinishOrderedPool(1, "test-order")
+    release = _busy(pool)
+    ran: list[str] = []
+    huge = pool.submit(lambda: ran.append("1 MB"), 1 << 20)
+    medium = pool.submit(lambda: ran.append("20 KB"), 20_000)
+    first = pool.submit(lambda: ran.append("20 KB, later"), 20_000)
+    release.set()
+    for future in (huge, medium, first):
+        future.result(10)
+    # Equal sizes keep their order of arrival.
+    assert ran == ["20 KB", "20 KB, later", "1 MB"]
+
+
+def test_work_is_not_passed_by_much_smaller_work_arriving_long_after() -> None:
+    pool = FinishOrderedPool(1, "test-aging")
+    release = _busy(pool)
+    ran: list[str] = []
+    big = pool.submit(lambda: ran.append("big"), 1_000)
+    time.sleep(0.01)  # 10 KB's worth of waiting at SECONDS_PER_BYTE
+    later = pool.submit(lambda: ran.append("small, later"), 0)
+    release.set()
+    big.result(10)
+    later.result(10)
+    assert ran == ["big", "small, later"]
+
+
+async def test_cancelled_work_that_has_not_started_never_runs() -> None:
+    pool = FinishOrderedPool(1, "test-cancel")
+    release = _busy(pool)
+    ran = threading.Event()
+    waiting = asyncio.ensure_future(asyncio.wrap_future(pool.submit(ran.set, 0)))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0)  # the loop passes the cancellation on to the queued work
+    release.set()
+    # The worker is free again and has passed over the cancelled work.
+    assert pool.submit(lambda: 42, 0).result(10) == 42
+    assert not ran.is_set()
+
+
+def test_work_that_raises_hands_its_error_to_the_caller() -> None:
+    pool = FinishOrderedPool(1, "test-raise")
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 // 0, 0).result(10)
+    assert pool.submit(lambda: "still serving", 0).result(10) == "still serving"

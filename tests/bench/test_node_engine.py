@@ -8,6 +8,7 @@ number of tokens asked for, paced one a step with the prompt's size first and th
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -130,5 +131,9 @@ def test_rankgate_serves_chat_in_front_of_it(engine: peers.Engine) -> None:
         ) as stream:
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        # The role chunk, one chunk a token, and the finish.
-        assert len(events) >= 1 + 3 + 1
+        # Tokens that arrive together may share a chunk (as vLLM merges what a slow reader
+        # has not taken yet), so the stream is checked by what it says, not its chunk count.
+        choices = [c for e in events[:-1] for c in json.loads(e[6:])["choices"]]
+        streamed = "".join(c["delta"].get("content") or "" for c in choices)
+        assert streamed == answer["choices"][0]["message"]["content"]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
