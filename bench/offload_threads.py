@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import llama_tokenizer
+import peers
 import uvloop
 from long_prompts import WORDS
 
@@ -139,10 +140,12 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--cpus", default="1", help="CPU list this process runs on")
+    parser.add_argument("--tokenizer", choices=("llama-32k", "tiny"), default="llama-32k")
     args = parser.parse_args()
     cpus = {int(c) for part in args.cpus.split(",") for c in part.split("-") if c}
     os.sched_setaffinity(0, cpus)
-    tok = TextTokenizer(llama_tokenizer.ensure())
+    directory = peers.TINY_TOKENIZER if args.tokenizer == "tiny" else llama_tokenizer.ensure()
+    tok = TextTokenizer(directory)
     tok.fast_checked.wait(300)
     base = texts(16, args.kb)
     medium = texts(1, args.medium_kb)[0]
