@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import llama_tokenizer
 import peers
 import uvloop
-from long_prompts import WORDS
+from big_prompt_stall import text_of
 
 from rankgate.app.offload import NICENESS, FinishOrderedPool
 from rankgate.app.prepare.tokenizer import TextTokenizer
@@ -41,16 +41,7 @@ from rankgate.app.prepare.tokenizer import TextTokenizer
 
 def texts(count: int, kilobytes: int) -> list[str]:
     rng = random.Random(7)
-    out = []
-    for _ in range(count):
-        words: list[str] = []
-        size = 0
-        while size < kilobytes * 1024:
-            word = f"{rng.choice(WORDS)} {rng.randrange(100_000)}"
-            words.append(word)
-            size += len(word) + 1
-        out.append(" ".join(words))
-    return out
+    return [text_of(rng, kilobytes) for _ in range(count)]
 
 
 def lower_priority() -> None:
