@@ -95,6 +95,9 @@ class RankCounters:
     steps: int = 0
     # Seconds of modelled step time (at ``speed``): the share of wall time a rank was busy.
     busy_seconds: float = 0.0
+    # The most requests running at once: at ``max_running_requests`` the rank was saturated,
+    # and whatever arrived then waited for a slot.
+    peak_running: int = 0
 
 
 class RankEngine:
@@ -395,6 +398,7 @@ class RankEngine:
             self.waiting.popleft()
             request.state = State.RUNNING
             self.running.append(request)
+            self.counters.peak_running = max(self.counters.peak_running, len(self.running))
             take = min(len(request.tokens) - request.num_computed, budget)
             if not self._reserve(request, request.num_computed + take):
                 break

@@ -56,6 +56,7 @@ class RankStats:
     active: int
     waiting: int
     running: int
+    peak_running: int
     leaked: int
     kv_blocks_free: int
     kv_blocks_cached: int
@@ -218,6 +219,7 @@ def _snapshot(engine: RankEngine) -> RankStats:
         active=engine.active,
         waiting=len(engine.waiting),
         running=len(engine.running),
+        peak_running=c.peak_running,
         leaked=len(tracked ^ scheduled),
         kv_blocks_free=engine.cache.num_free,
         kv_blocks_cached=engine.cache.num_cached,
