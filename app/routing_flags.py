@@ -58,6 +58,13 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         "uncached prompt (below 1: a cached prefix is worth waiting for)",
     ),
     _tunable(
+        "--route-copy-weight",
+        "copy_weight",
+        float,
+        "cost per prompt token another rank holds that this one would compute again by "
+        "evicting blocks of its full cache (0: off)",
+    ),
+    _tunable(
         "--route-decode-weight",
         "decode_weight",
         float,

@@ -25,6 +25,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     # behind (``bench/routing_simulation.py --long``: routed at 1, a third to three fifths more
     # prefill than the cache-greedy rule, and first tokens up to a quarter later).
     queue_weight: float = 0.5
+    # Cost per prompt token another rank holds that this one would compute again by evicting
+    # blocks of its full cache, some of which someone then computes again in turn (at 0.5,
+    # half of them; 1 did no better). Under KV pressure with long prompts a departure from the
+    # rank holding a prompt, right for its own first token, otherwise cost everyone behind it
+    # (``bench/routing_simulation.py --long --kv-blocks 4096``); a rank with room pays nothing.
+    copy_weight: float = 0.5
     # Share of a block's prefill an offloaded (CPU/disk) copy saves.
     offloaded_hit_weight: float = 0.5
     # In-flight requests a rank may run above the least busy one before it is skipped.
@@ -76,6 +82,8 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("queue_weight must be >= 0")
         if self.decode_weight < 0:
             raise ValueError("decode_weight must be >= 0")
+        if self.copy_weight < 0:
+            raise ValueError("copy_weight must be >= 0")
         if not 0.0 <= self.offloaded_hit_weight <= 1.0:
             raise ValueError("offloaded_hit_weight must lie in [0, 1]")
         if self.hot_spill_requests < 1:

@@ -140,6 +140,8 @@ class EventIndex:
             for dev, off in zip(device_capacity, offload_capacity, strict=True)
         ]
         self.evicted = 0
+        # Blocks each slot holds on the device, kept as they change: read on every decision.
+        self._device_sizes = [0] * self.slots
 
     def match(self, hashes: Sequence[int]) -> PrefixMatch:
         return match_masks(hashes, self.slots, self.device, self.offloaded or None)
@@ -164,6 +166,8 @@ class EventIndex:
             self._drop(slot, tier, rank_tier, oldest)
             self.evicted += 1
         rank_tier.blocks[block_hash] = key
+        if tier == DEVICE:
+            self._device_sizes[slot] = len(rank_tier.blocks)
         refs = rank_tier.refs
         count = refs.get(key, 0)
         refs[key] = count + 1
@@ -199,11 +203,18 @@ class EventIndex:
                     mirror.set(key, tier, mask)
             rank_tier.blocks = {}
             rank_tier.refs = {}
+            if tier == DEVICE:
+                self._device_sizes[slot] = 0
             if mirror is not None:
                 mirror.set_size(slot, tier, 0)
 
     def size(self, slot: int, tier: int = DEVICE) -> int:
         return len(self._tiers[slot][tier].blocks)
+
+    def device_sizes(self) -> list[int]:
+        """Blocks each slot holds on the device, by its events (the index's own list: read,
+        never change it)."""
+        return self._device_sizes
 
     def entries(self, slot: int, tier: int) -> list[tuple[Hashable, int]]:
         """One rank's blocks on one tier, oldest first: vLLM's hash and our key."""
@@ -211,6 +222,8 @@ class EventIndex:
 
     def _drop(self, slot: int, tier: int, rank_tier: _RankTier, block_hash: Hashable) -> None:
         key = rank_tier.blocks.pop(block_hash)
+        if tier == DEVICE:
+            self._device_sizes[slot] = len(rank_tier.blocks)
         mirror = self.mirror
         if mirror is not None:
             mirror.set_size(slot, tier, len(rank_tier.blocks))

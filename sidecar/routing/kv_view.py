@@ -163,6 +163,16 @@ class KvView:
             return table.size(slot, DEVICE), table.size(slot, OFFLOADED)
         return 0, 0
 
+    def device_sizes(self) -> list[int] | None:
+        """Blocks each slot holds on the device; None while there is no view to ask."""
+        events = self.events
+        if events is not None:
+            return events.device_sizes()
+        table = self.shared_reader.table() if self.shared_reader is not None else None
+        if table is not None:
+            return [table.size(slot, DEVICE) for slot in range(table.slots)]
+        return None
+
     def holds(self, key: int) -> bool:
         """Whether any rank holds the block ``key`` on any tier, as far as the view knows."""
         events = self.events

@@ -109,6 +109,7 @@ def test_defaults_are_the_router_defaults() -> None:
     ("argv", "message"),
     [
         (["--route-decode-weight", "-1"], "--route-decode-weight: decode_weight must be >= 0"),
+        (["--route-copy-weight", "-1"], "--route-copy-weight: copy_weight must be >= 0"),
         (
             ["--route-offloaded-hit-weight", "1.5"],
             "--route-offloaded-hit-weight: offloaded_hit_weight must lie in [0, 1]",

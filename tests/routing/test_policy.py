@@ -82,6 +82,36 @@ async def test_cost_trades_cached_prefix_against_queued_prefill(
     assert other.decision.rank != first.decision.rank
 
 
+@pytest.mark.parametrize(
+    ("copy_weight", "room", "stays"),
+    [(0.5, False, True), (0.5, True, False), (0.0, False, False)],
+    ids=["full", "room", "off"],
+)
+async def test_a_copy_that_evicts_costs_what_it_evicts(
+    event_rig: RigFactory, copy_weight: float, room: bool, stays: bool
+) -> None:
+    # Rank 0 holds a 96-token prompt and has 200 tokens of prefill queued; rank 1 is idle.
+    config = RoutingConfig(
+        share_weight=0, decode_weight=0, recent_weight=0, copy_weight=copy_weight
+    )
+    rig = await event_rig(config=config, kv_blocks=64)
+    held = list(range(3000, 3096))
+    rig.publishers[0].publish([stored(list(range(1, 25)), held, block_size=BLOCK)])
+    await rig.settle(0, 1)
+    if not room:
+        # Rank 1's cache is full (64 blocks of another prompt): computing the copy there evicts.
+        other = list(range(6000, 6256))
+        rig.publishers[1].publish([stored(list(range(101, 165)), other, block_size=BLOCK)])
+        await rig.settle(1, 1)
+    queued = rig.router.route(prepared(list(range(9000, 9200)), "queued", rank=0))
+    # Rank 0: 4 tokens to prefill plus half of the 200 queued (104); rank 1: all 100, and with
+    # a full cache half the 96 held on rank 0 again, for the blocks they evict there (148).
+    ticket = rig.router.route(prepared([*held, 1, 2, 3, 4], "next"))
+    assert (ticket.decision.rank == 0) is stays
+    ticket.finished()
+    queued.finished()
+
+
 async def test_a_prefix_every_prompt_shares_does_not_herd_new_conversations(
     event_rig: RigFactory,
 ) -> None:
@@ -362,6 +392,8 @@ def test_config_is_validated() -> None:
         RoutingConfig(policy="random")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="decode_weight"):
         RoutingConfig(decode_weight=-1)
+    with pytest.raises(ValueError, match="copy_weight"):
+        RoutingConfig(copy_weight=-1)
     with pytest.raises(ValueError, match="recent_weight"):
         RoutingConfig(recent_weight=-0.1)
     with pytest.raises(ValueError, match="recent_half_life"):

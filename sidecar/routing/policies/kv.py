@@ -5,7 +5,12 @@ It prices each rank like Dynamo's KV router, in prompt-token units:
 + decode_weight * tokens held by its requests in decode
 + recent_weight * prompt tokens it prefilled lately`` (fading with ``recent_half_life``)
 ``+ share_weight * its recent requests beyond a fair share`` (fading with
-``share_half_life``), and takes the cheapest.
+``share_half_life``) ``+ copy_weight * the prompt tokens another rank holds that it would
+compute again by evicting blocks of its full cache``, and takes the cheapest.
+
+The copy term prices what a departure from the rank holding a prompt costs others: a warm
+cache is full, so the copy evicts as many tokens of other prompts, computed again later by
+whoever needs them. A rank with room for the copy pays nothing.
 
 The recent-work term keeps a prefix that every prompt shares from herding each new
 conversation onto one rank while the others look idle between turns
@@ -90,6 +95,7 @@ class KvRouter(RankedRouter):
         self._unhashed: list[KeyChain] = []
         self._spill_hot = metrics.spills.labels("hot_prefix")
         self._spill_full = metrics.spills.labels("capacity")
+        self._capacity: list[int] = []
 
     def _on_configure(self, info: EngineInfo, topology: Topology) -> None:
         self._last = None
@@ -108,6 +114,7 @@ class KvRouter(RankedRouter):
             AffinityTable(entries, self.config.affinity_ttl, self.clock) if entries else None
         )
         capacity = [max(1, blocks) for blocks in topology.device_blocks]
+        self._capacity = capacity
         offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
         meter = (
             RegretMeter(
@@ -321,6 +328,25 @@ class KvRouter(RankedRouter):
             ]
         return [min(int(b * block), limit) for b in blocks]
 
+    def _price_copies(self, costs: list[float], cached: list[int], prompt_tokens: int) -> None:
+        """Charge each rank for the tokens another rank holds that it would compute again by
+        evicting blocks of its own: what that copy costs whoever needed them next."""
+        held = max(cached)
+        if held <= 0:
+            return
+        sizes = self.view.device_sizes()
+        capacity = self._capacity
+        if sizes is None or len(sizes) != len(costs) or len(capacity) != len(costs):
+            return
+        block = self._require_topology().block_size
+        weight = self.config.copy_weight
+        for slot, hit in enumerate(cached):
+            copied = held - hit
+            if copied > 0:
+                evicted = prompt_tokens - hit - (capacity[slot] - sizes[slot]) * block
+                if evicted > 0:
+                    costs[slot] += weight * min(copied, evicted)
+
     def _choose(
         self,
         cached: list[int],
@@ -347,6 +373,8 @@ class KvRouter(RankedRouter):
                     cached, load.prefill_tokens, load.decode_tokens, strict=True
                 )
             ]
+        if config.copy_weight > 0:
+            self._price_copies(costs, cached, prompt_tokens)
         if self.shares is not None:
             factor, raw = self.shares.scaled()
             mean = sum(raw) * factor / len(raw)
