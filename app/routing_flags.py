@@ -71,6 +71,12 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         "cost per token held by a rank's decoding requests",
     ),
     _tunable(
+        "--route-decode-tokens-cap",
+        "decode_tokens_cap",
+        int,
+        "prompt tokens of one decoding request that --route-decode-weight counts, at most (0: all)",
+    ),
+    _tunable(
         "--route-offloaded-hit-weight",
         "offloaded_hit_weight",
         float,

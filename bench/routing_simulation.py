@@ -31,6 +31,7 @@ floor's mean, so it bounds what any lead over another router can be.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections.abc import Sequence
 
@@ -39,7 +40,7 @@ import peers
 
 from rankgate.sidecar.routing.config import RoutingConfig
 from tests.support.rank_sim import EngineModel, Outcome, full_rate, run_plan
-from tests.support.sessions import Shape
+from tests.support.sessions import AGENTS, Shape
 
 HEAD = [
     "DP", "load", "target", "requests", "mean TTFT ms", "p50 TTFT ms", "p99 TTFT ms",
@@ -96,11 +97,18 @@ def main() -> None:
     parser.add_argument("--load", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     parser.add_argument("--seconds", type=float, default=60.0, help="arrival window per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per rank")
+    parser.add_argument(
+        "--kv-blocks", type=int, help="KV blocks per rank (default 2048; with --agents 16384)"
+    )
     parser.add_argument("--long", action="store_true", help="8k-32k-token system prompts")
+    parser.add_argument(
+        "--agents", action="store_true", help="agent loops: 16 prompts, contexts growing to 64k"
+    )
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FIELD=V,...")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    if args.kv_blocks is None:
+        args.kv_blocks = 16384 if args.agents else 2048
     targets: list[tuple[str, str, RoutingConfig]] = [
         ("rankgate kv", "kv", RoutingConfig()),
         *(("rankgate " + name, "kv", config) for name, config in map(_variant, args.variant)),
@@ -113,17 +121,24 @@ def main() -> None:
         for load in args.load:
             runs: dict[str, list[Outcome]] = {name: [] for name, _, _ in targets}
             for seed in args.seeds:
-                shape = Shape(seed=seed, system_tokens=(8192, 32768) if args.long else (1024, 3072))
-                rate = full_rate(model, shape) * load
+                if args.agents:
+                    shape = dataclasses.replace(AGENTS, seed=seed)
+                else:
+                    system = (8192, 32768) if args.long else (1024, 3072)
+                    shape = Shape(seed=seed, system_tokens=system)
+                rate = full_rate(model, shape, 1200.0 if args.agents else 60.0, args.agents) * load
                 for name, policy, config in targets:
                     runs[name].append(run_plan(model, policy, shape, rate, args.seconds, config))
             for name, _, _ in targets:
                 rows.append(row(dp, load, name, runs[name]))
                 print("  ".join(rows[-1]), flush=True)
+    if args.agents:
+        workload = "agent loops (16 prompts of 2k-8k tokens, Zipf 1.1, 12 turns of 256-4k tokens)"
+    else:
+        workload = f"64 system prompts, Zipf 1.3, {'8k-32k' if args.long else '1k-3k'} tokens"
     title = (
         f"Routing on the simulated engine ({args.kv_blocks} KV blocks and 64 running per "
-        f"rank, the mock's step times at speed 0.5); 64 system prompts, Zipf 1.3, "
-        f"{'8k-32k' if args.long else '1k-3k'} tokens; {args.seconds:.0f} s of Poisson "
+        f"rank, the mock's step times at speed 0.5); {workload}; {args.seconds:.0f} s of Poisson "
         f"sessions per run, seeds {' '.join(map(str, args.seeds))} pooled"
     )
     print(peers.table(HEAD, rows, title, args.markdown))

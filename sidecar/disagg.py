@@ -87,7 +87,7 @@ class Prefilled(msgspec.Struct, frozen=True):
 
 def routing_for(base: RoutingConfig) -> RoutingConfig:
     """The routing of either side: ``base`` with requests in flight weighed like uncached
-    prompt tokens (``decode_weight`` 1).
+    prompt tokens, every one of them (``decode_weight`` 1, no ``decode_tokens_cap``).
 
     A prefill request is unary, so the router counts its whole prompt as in flight from the
     start: on the prefill side that is exactly the prefill queued there, as costly per token
@@ -95,7 +95,7 @@ def routing_for(base: RoutingConfig) -> RoutingConfig:
     are the load, and the uncached prompt is KV still to pull rather than to compute: both
     matter more there than in aggregated serving, where decode counts a tenth.
     """
-    return msgspec.structs.replace(base, decode_weight=1.0)
+    return msgspec.structs.replace(base, decode_weight=1.0, decode_tokens_cap=0)
 
 
 class DisaggregatedEngine:

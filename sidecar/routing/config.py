@@ -19,6 +19,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Cost weights, in prompt-token units (Dynamo's defaults: both 1; see policies.kv).
     prefill_weight: float = 1.0
     decode_weight: float = 0.1
+    # Prompt tokens of one decoding request that the decode term counts, at most (0: all). A
+    # running sequence costs a step mostly as a sequence, not per token of its context; counted
+    # in full, a rank decoding a few agent contexts of 30k-60k tokens looks busier than one
+    # running dozens of short chats, and the next turn of a session leaves the rank holding
+    # its history to compute it again elsewhere (``bench/routing_simulation.py --agents``).
+    decode_tokens_cap: int = 8192
     # What a token of prefill already queued on a rank weighs against a token of the request's
     # own uncached prompt. Below 1: the queue's head is partly done when the request arrives,
     # and going elsewhere to skip it recomputes a prefix, work every later request then waits
@@ -82,6 +88,8 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("queue_weight must be >= 0")
         if self.decode_weight < 0:
             raise ValueError("decode_weight must be >= 0")
+        if self.decode_tokens_cap < 0:
+            raise ValueError("decode_tokens_cap must be >= 0")
         if self.copy_weight < 0:
             raise ValueError("copy_weight must be >= 0")
         if not 0.0 <= self.offloaded_hit_weight <= 1.0:

@@ -97,7 +97,8 @@ class _ViewCollector(Collector):
         )
         decode = GaugeMetricFamily(
             "rankgate_routing_decode_tokens",
-            "Prompt tokens held by each rank's requests past their first token.",
+            "Prompt tokens held by each rank's requests past their first token, each "
+            "request's counted up to the routing decode-tokens cap.",
             labels=["rank", *side],
         )
         for name, view in list(self.views.items()):

@@ -111,6 +111,10 @@ def test_defaults_are_the_router_defaults() -> None:
         (["--route-decode-weight", "-1"], "--route-decode-weight: decode_weight must be >= 0"),
         (["--route-copy-weight", "-1"], "--route-copy-weight: copy_weight must be >= 0"),
         (
+            ["--route-decode-tokens-cap", "-1"],
+            "--route-decode-tokens-cap: decode_tokens_cap must be >= 0",
+        ),
+        (
             ["--route-offloaded-hit-weight", "1.5"],
             "--route-offloaded-hit-weight: offloaded_hit_weight must lie in [0, 1]",
         ),

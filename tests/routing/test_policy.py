@@ -221,6 +221,35 @@ async def test_decode_load_counts_after_first_token() -> None:
     big.first_token()
 
 
+@pytest.mark.parametrize(("cap", "stays"), [(8192, True), (0, False)], ids=["capped", "all"])
+async def test_long_decoding_contexts_do_not_push_a_turn_off_its_history(
+    cap: int, stays: bool
+) -> None:
+    config = RoutingConfig(share_weight=0, recent_weight=0, decode_tokens_cap=cap)
+    router = build_router(config, CollectorRegistry())
+    router.configure(engine_info((0, 1), kv_blocks=65536))
+    history = list(range(100, 4100))
+    first = router.route(prepared(history, "turn1"))
+    router.sent()
+    first.first_token()
+    first.finished()
+    holder = first.decision.rank
+    assert holder is not None
+    # Three agent contexts of 20k tokens decode on the holder; the other rank is idle.
+    agents = [
+        router.route(prepared(list(range(50_000 * n, 50_000 * n + 20_000)), rank=holder))
+        for n in (1, 2, 3)
+    ]
+    for ticket in agents:
+        ticket.first_token()
+    # Counted in full they weigh 6,000 prompt tokens, more than the 4,000 the holder has cached;
+    # counted up to the cap, 2,458.
+    turn = router.route(prepared([*history, 1, 2, 3], "turn2"))
+    assert (turn.decision.rank == holder) is stays
+    for ticket in (*agents, turn):
+        ticket.finished()
+
+
 async def test_client_pin_is_honoured_and_counted(registry: CollectorRegistry) -> None:
     router = build_router(RoutingConfig(share_weight=0, decode_weight=0.1), registry)
     router.configure(engine_info((4, 5, 6)))
@@ -394,6 +423,8 @@ def test_config_is_validated() -> None:
         RoutingConfig(decode_weight=-1)
     with pytest.raises(ValueError, match="copy_weight"):
         RoutingConfig(copy_weight=-1)
+    with pytest.raises(ValueError, match="decode_tokens_cap"):
+        RoutingConfig(decode_tokens_cap=-1)
     with pytest.raises(ValueError, match="recent_weight"):
         RoutingConfig(recent_weight=-0.1)
     with pytest.raises(ValueError, match="recent_half_life"):

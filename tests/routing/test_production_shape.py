@@ -2,7 +2,8 @@
 
 Skewed system prompts (Zipf 1.3 over 64: the most popular opens a third of the sessions),
 open-loop Poisson sessions of growing multi-turn contexts, KV caches smaller than the working
-set, DP 4 to 32. Each property is also checked against vllm-router's ``kv_aware`` choice (the
+set, DP 4 to 32; and agent loops, whose sessions' contexts grow to tens of thousands of
+tokens of their own. Each property is also checked against vllm-router's ``kv_aware`` choice (the
 longest cached prefix, load ignored), which breaks it: the tests can fail.
 """
 
@@ -14,7 +15,7 @@ import statistics
 import pytest
 
 from tests.support.rank_sim import EngineModel, Outcome, full_rate, simulate
-from tests.support.sessions import Shape
+from tests.support.sessions import AGENTS, Shape
 
 SHARE_BOUND = 1.5
 SECONDS = 40.0
@@ -88,3 +89,23 @@ def test_no_request_beats_its_floor_and_its_recomputed_prefill(policy: str) -> N
     blind, aware = _run(4, "round_robin", 0.9), _run(4, "kv", 0.9)
     assert sum(blind.recomputed) > 5 * sum(aware.recomputed)
     assert sum(blind.recomputed_elsewhere) > 10 * sum(aware.recomputed_elsewhere)
+
+
+def test_agent_sessions_keep_their_histories_and_their_share() -> None:
+    """Agent loops at DP 8: each session's growing history is cached where its last turn ran,
+    and 16 agent definitions, one of them hot, open sessions on every rank."""
+    model = EngineModel(dp=8, kv_blocks=16384)
+    rate = full_rate(model, AGENTS, 1200.0, offered=True)
+    kv = simulate(model, "kv", AGENTS, 0.7, 240.0, rate=rate)
+    longest = simulate(model, "longest_prefix", AGENTS, 0.7, 240.0, rate=rate)
+    assert len(kv.ttfts) > 1000
+    # Turns find their history: next to nothing computed again of what an earlier turn left.
+    assert sum(kv.recomputed) < 0.02 * sum(kv.ttfts)
+    assert kv.hit_rate >= longest.hit_rate
+    assert kv.work_share <= SHARE_BOUND
+    assert kv.request_share <= SHARE_BOUND
+    # The longest-prefix rule sends every new session of the hot agent to the rank holding its
+    # prompt, whose queue then grows through the run.
+    assert longest.work_share > 2 * SHARE_BOUND
+    assert kv.mean_ttft < 0.5 * longest.mean_ttft
+    assert kv.quantile(0.99) < 0.5 * longest.quantile(0.99)

@@ -463,11 +463,35 @@ class Simulation:
         return send
 
 
-def full_rate(model: EngineModel, shape: Shape, seconds: float = 60.0) -> float:
+def full_rate(
+    model: EngineModel,
+    shape: Shape,
+    seconds: float = 60.0,
+    offered: bool = False,
+    policy: str = "round_robin",
+) -> float:
     """The session rate at which round robin would keep every rank stepping all the time:
-    loads are fractions of it, so "70%" is a round-robin engine busy 70% of the time."""
+    loads are fractions of it, so "70%" is a round-robin engine busy 70% of the time.
+
+    With ``offered``, for sessions that outlast the arrival window (agent loops of a dozen
+    turns), the busy time is counted against the window, not the run: the work the window's
+    arrivals bring, per second of arrivals, which is the load they keep up in steady state.
+    It is measured on one rank with this model's cache, where no router has a choice, and
+    scaled by the ranks: the rate at which every rank would be busy serving its share as
+    well as one rank alone serves it. The probe is then moved once to 70% of the estimate,
+    since the work per session depends on how many run together."""
+    if offered:
+        # One rank: no routing choice, so the same for every router.
+        one = dataclasses.replace(model, dp=1)
+        probe = 0.05
+        for _ in range(2):
+            outcome = run_plan(one, policy, shape, probe, seconds)
+            busy = statistics.fmean(outcome.busy) * outcome.seconds / seconds
+            full = probe / busy if busy else probe
+            probe = 0.7 * full
+        return full * model.dp
     probe = 0.5 * model.dp
-    outcome = run_plan(model, "round_robin", shape, probe, seconds)
+    outcome = run_plan(model, policy, shape, probe, seconds)
     busy = statistics.fmean(outcome.busy)
     return probe / busy if busy else probe
 

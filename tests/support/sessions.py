@@ -8,6 +8,10 @@ and the clock-free simulation the routing property tests run (:mod:`tests.suppor
   third of the sessions), then a user message of its own;
 - a session runs a geometric number of turns (mean ``turns``), as agents do: every turn waits
   for the previous answer and a pause, then resends the whole history plus a new message.
+
+:data:`AGENTS` is the agent-shaped variant: a few long tool-laden system prompts, a dozen turns
+on average, each adding a tool result of up to 4k tokens, so one session's context grows from
+2k-8k tokens to tens of thousands and is its own, shared with no other session.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ class Shape:
     turns: float = 3.0
     think_seconds: float = 0.5
     seed: int = 1
+
+
+# Agent loops: 16 agent definitions (tools and instructions), tool results as the new
+# "user" message each turn, tool calls and short answers as output, a second of tool time.
+AGENTS = Shape(
+    prompts=16,
+    zipf=1.1,
+    system_tokens=(2048, 8192),
+    user_tokens=(256, 4096),
+    output_tokens=(32, 256),
+    turns=12.0,
+    think_seconds=1.0,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -161,7 +161,9 @@ class RankedRouter:
         counts.cached[0] += cached_tokens
         if prompt_tokens:
             self.metrics.tally.ratio.observe(cached_tokens / prompt_tokens)
-        return self.load.admit(slot, decision, prompt_tokens - cached_tokens, prompt_tokens)
+        cap = self.config.decode_tokens_cap
+        held = min(prompt_tokens, cap) if cap else prompt_tokens
+        return self.load.admit(slot, decision, prompt_tokens - cached_tokens, held)
 
     def _rotate(self, candidates: list[int]) -> int:
         self._rotation += 1
