@@ -8,6 +8,13 @@ times) instead of the live mock: simulated time stands still while the router de
 to 32 at three loads run in a minute, the same on any machine, and the engine, never the
 gateway's CPU, is what saturates.
 
+``--agents`` plays agent loops instead (``tests/support/sessions.AGENTS``: 16 agent definitions,
+a dozen turns a session, each adding a tool result of up to 4k tokens) with 16384 KV blocks a
+rank. Such sessions outlast the arrival window and round robin computes every history again, so
+their load is measured on one rank, where no router has a choice: the work the window's
+arrivals bring per second of arrivals, against what the ranks could do (``full_rate(offered=
+True)``). Use ``--seconds 600``: a session runs for a minute or more.
+
 Targets: Rankgate's ``kv`` policy (with its defaults, and with any ``--variant``), vllm-router's
 ``kv_aware`` rule (the longest cached prefix, load ignored, the least loaded rank when none has
 any), and round robin. Loads are fractions of the session rate at which round robin keeps every
@@ -24,7 +31,7 @@ time spent waiting behind other work. No router goes below the
 floor's mean, so it bounds what any lead over another router can be.
 
     PYTHONPATH=. .venv/bin/python bench/routing_simulation.py [--dp 2 4 8 16 32] \\
-        [--load 0.5 0.7 0.9] [--seconds 60] [--seeds 1 2 3] [--long] [--markdown] \\
+        [--load 0.5 0.7 0.9] [--seconds 60] [--seeds 1 2 3] [--long | --agents] [--markdown] \\
         [--variant 'noshare=share_weight=0']
 """
 
