@@ -97,6 +97,8 @@ class IntakeObserver(Protocol):
 
     def stored(self, slot: int, keys: Sequence[int]) -> None: ...
 
+    def removed(self, slot: int, keys: Sequence[int]) -> None: ...
+
     def batch(self, slot: int, clean: bool) -> None: ...
 
     def purged(self, slot: int, reason: str) -> None: ...
@@ -588,8 +590,13 @@ class KvEventIntake:
             self._stored(feed, fields)
         elif kind == "BlockRemoved":
             tier = medium_tier(fields.get("medium"))
-            for block in fields.get("block_hashes") or ():
-                self.index.remove(feed.slot, tier, _block_id(block))
+            remove = self.index.remove
+            slot = feed.slot
+            keys = [
+                remove(slot, tier, _block_id(block)) for block in fields.get("block_hashes") or ()
+            ]
+            if tier == DEVICE and self.observer is not None:
+                self.observer.removed(slot, [key for key in keys if key is not None])
         elif kind == "AllBlocksCleared":
             self.index.clear(feed.slot)
         else:

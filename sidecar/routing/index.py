@@ -180,12 +180,13 @@ class EventIndex:
         if mirror is not None:
             mirror.set_size(slot, tier, len(rank_tier.blocks))
 
-    def remove(self, slot: int, tier: int, block_hash: Hashable) -> bool:
+    def remove(self, slot: int, tier: int, block_hash: Hashable) -> int | None:
+        """Forget one block of one rank; the key it stood for, None if it was not indexed."""
         rank_tier = self._tiers[slot][tier]
-        if block_hash not in rank_tier.blocks:
-            return False
-        self._drop(slot, tier, rank_tier, block_hash)
-        return True
+        key = rank_tier.blocks.get(block_hash)
+        if key is not None:
+            self._drop(slot, tier, rank_tier, block_hash)
+        return key
 
     def clear(self, slot: int) -> None:
         """Forget everything one rank holds (AllBlocksCleared, a purge)."""

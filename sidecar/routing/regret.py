@@ -12,17 +12,19 @@ per rank and policy.
 The same outcomes decide trust. A rank whose events stop while it prefills uncached prompts
 (``silent``), whose events describe blocks none of our prompts have (``mismatch``: hashing or
 token ids we do not expect), or whose predicted hits keep turning out to be computed
-(``mispredicting``), is routed by load alone after ``strikes`` such outcomes in a row, and
-trusted again after ``strikes`` outcomes in a row whose predictions came true. What the intake
-itself sees distrusts a rank at once: an unrecoverable gap (``gap``), event data it cannot
-use (``schema``, ``block_size``); fresh events, a batch that stores blocks and is applied
-whole, trust it again. Each change logs one warning and moves a gauge.
+(``mispredicting``; not when the rank announced them evicted after the request was routed: a
+long queue under KV pressure moves the cache, not the view), is routed by load alone after
+``strikes`` such outcomes in a row, and trusted again after ``strikes`` outcomes in a row whose
+predictions came true. What the intake itself sees distrusts a rank at once: an unrecoverable
+gap (``gap``), event data it cannot use (``schema``, ``block_size``); fresh events, a batch
+that stores blocks and is applied whole, trust it again. Each change logs one warning and
+moves a gauge.
 
 Threads: the KV-event intake thread calls :meth:`RegretMeter.stored`,
-:meth:`RegretMeter.batch`, :meth:`RegretMeter.purged` and :meth:`RegretMeter.rejected`;
-everything else runs on the event loop. The intake only reads the watch tables with
-``dict.get`` and bumps counters no other thread writes; a distrust is handed over through a
-per-slot cell the loop consumes.
+:meth:`RegretMeter.removed`, :meth:`RegretMeter.batch`, :meth:`RegretMeter.purged` and
+:meth:`RegretMeter.rejected`; everything else runs on the event loop. The intake only reads the
+watch tables with ``dict.get`` and bumps counters no other thread writes; a distrust is handed
+over through a per-slot cell the loop consumes.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Watch:
     __slots__ = (
         "batches_at",
         "deadline",
+        "evicted",
         "heard_at",
         "keys",
         "limit",
@@ -93,6 +96,8 @@ class Watch:
         # Blocks of this prompt the rank's events announced since it was routed, and the blocks
         # it watches itself (the rest an older request in flight watches).
         self.stored = 0
+        # Blocks of this prompt the rank announced evicted before its prefill was done.
+        self.evicted = 0
         self.owned: Sequence[int] | AbstractSet[int] = _NONE
         # The rank's KV-event batches, and its stores of watched blocks, when it was routed.
         self.batches_at = batches_at
@@ -182,6 +187,15 @@ class RegretMeter:
                 matched += 1
         if matched:
             self._matched[slot] += matched
+
+    def removed(self, slot: int, keys: Sequence[int]) -> None:
+        """The rank announced ``keys`` evicted from its device: a watch whose prefill has not
+        reached them will compute them again, though they were held when it was routed."""
+        get = self._watching[slot].get
+        for key in keys:
+            owner = get(key)
+            if owner is not None and owner.deadline is None:
+                owner.evicted += 1
 
     def batch(self, slot: int, clean: bool) -> None:
         """A batch was applied; ``clean``: it stored blocks and none of its events had to be
@@ -342,6 +356,9 @@ class RegretMeter:
                 return ""
             return "mismatch" if self._batches[slot] > watch.batches_at else "silent"
         if predicted > 0 and realised * 2 < predicted:
+            if (realised + watch.evicted) * 2 >= predicted:
+                # Held when routed, evicted while it waited: the cache moved, not the view.
+                return ""
             return "mispredicting"
         return None
 

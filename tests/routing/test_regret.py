@@ -5,15 +5,19 @@ to its recovery. The meter on its own clock here; through the gateway and the mo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.metrics import routing_metrics
 from rankgate.sidecar.routing.regret import RegretMeter
-from tests.routing.conftest import sample
+from tests.routing.conftest import BLOCK as RIG_BLOCK
+from tests.routing.conftest import RigFactory, prepared, sample
+from tests.routing.publisher import removed, stored
 
 BLOCK = 16
 STRIKES = 3
@@ -255,3 +259,59 @@ def test_events_late_because_the_intake_is_behind_are_waited_for() -> None:
         m.meter.settle()
     assert m.value("rankgate_routing_measured_requests_total", policy="kv", rank="0") == STRIKES
     assert m.trusted() == 1
+
+
+@pytest.mark.parametrize("evicted", [True, False], ids=["evicted-while-waiting", "never-evicted"])
+def test_blocks_evicted_after_routing_are_no_strike(evicted: bool) -> None:
+    m = Clocked()
+    for n in range(2 * STRIKES):
+        keys = [10 * n + 1, 10 * n + 2, 10 * n + 3, 10 * n + 4]
+        watch = m.meter.watch(0, keys, 4, 4)
+        assert watch is not None
+        m.meter.register()
+        if evicted:
+            # Held when routed, evicted while the request waited for its turn to prefill.
+            m.meter.removed(0, keys[:3])
+        m.meter.prefilled(watch)
+        m.meter.batch(0, True)
+        m.meter.stored(0, keys[:3])
+        m.now += SETTLE
+        m.meter.settle()
+    assert m.trusted() == (1 if evicted else 0)
+
+
+@pytest.mark.parametrize("evicted", [True, False], ids=["evicted-while-waiting", "never-evicted"])
+async def test_the_intake_tells_the_meter_of_evictions(
+    event_rig: RigFactory, evicted: bool
+) -> None:
+    """Through the KV-event intake: a prompt the rank held when it was routed, evicted and
+    computed again before its prefill, three times in a row, leaves the rank trusted; the same
+    without the removals distrusts it."""
+    rig = await event_rig(config=RoutingConfig(share_weight=0, regret_settle=0.05))
+    router = rig.intake_router
+    meter = router.regret
+    assert meter is not None
+    batches = 0
+    for n in range(STRIKES):
+        tokens = list(range(1000 * (n + 1), 1000 * (n + 1) + 4 * RIG_BLOCK))
+        ids = [100 * (n + 1) + i for i in range(4)]
+        rig.publishers[0].publish([stored(ids, tokens, block_size=RIG_BLOCK)])
+        batches += 1
+        await rig.settle(0, batches)
+        ticket = router.route(prepared([*tokens, 1], f"r{n}"))
+        router.sent()
+        assert (ticket.decision.rank, ticket.decision.cached_tokens) == (0, 4 * RIG_BLOCK)
+        if evicted:
+            rig.publishers[0].publish([removed(ids)])
+            batches += 1
+            await rig.settle(0, batches)
+        # Its prefill computes the four blocks: the rank announces them stored.
+        again = [i + 50 for i in ids]
+        rig.publishers[0].publish([stored(again, tokens, block_size=RIG_BLOCK)])
+        batches += 1
+        await rig.settle(0, batches)
+        ticket.first_token()
+        ticket.finished()
+        await asyncio.sleep(0.1)
+        meter.settle()
+    assert meter.trusted(0) is evicted

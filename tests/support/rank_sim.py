@@ -229,6 +229,8 @@ class _Rank:
             del self.refs[key]
             if self.index is not None:
                 self.index.remove(self.slot, DEVICE, key)
+            if self.observer is not None:
+                self.observer.removed(self.slot, (key,))
         self.private += blocks
 
     def _store(self, request: _Request, upto: int) -> None:
