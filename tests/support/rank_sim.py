@@ -466,11 +466,7 @@ class Simulation:
 
 
 def full_rate(
-    model: EngineModel,
-    shape: Shape,
-    seconds: float = 60.0,
-    offered: bool = False,
-    policy: str = "round_robin",
+    model: EngineModel, shape: Shape, seconds: float = 60.0, offered: bool = False
 ) -> float:
     """The session rate at which round robin would keep every rank stepping all the time:
     loads are fractions of it, so "70%" is a round-robin engine busy 70% of the time.
@@ -487,13 +483,13 @@ def full_rate(
         one = dataclasses.replace(model, dp=1)
         probe = 0.05
         for _ in range(2):
-            outcome = run_plan(one, policy, shape, probe, seconds)
+            outcome = run_plan(one, "round_robin", shape, probe, seconds)
             busy = statistics.fmean(outcome.busy) * outcome.seconds / seconds
             full = probe / busy if busy else probe
             probe = 0.7 * full
         return full * model.dp
     probe = 0.5 * model.dp
-    outcome = run_plan(model, policy, shape, probe, seconds)
+    outcome = run_plan(model, "round_robin", shape, probe, seconds)
     busy = statistics.fmean(outcome.busy)
     return probe / busy if busy else probe
 
