@@ -17,6 +17,7 @@ router's load view moves through its tickets (first token, finish), as on the li
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -30,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from rankgate.sidecar.routing.base import RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeObserver
-from rankgate.sidecar.routing.hashing import prompt_keys
+from rankgate.sidecar.routing.hashing import EMPTY_SEED, chain_hashes, prompt_keys
 from rankgate.sidecar.routing.index import DEVICE, EventIndex
 from rankgate.sidecar.routing.metrics import routing_metrics
 from rankgate.sidecar.routing.policies.kv import KvRouter
@@ -189,12 +190,18 @@ class _Rank:
         limit = (request.prompt - 1) // size
         hits = self.depth(request.keys[:limit])
         needed = -(-(request.prompt + request.outputs) // size) - hits
-        reclaimable = len(self.idle) - sum(1 for key in request.keys[:hits] if key in self.idle)
+        held = request.keys[:hits]
+        idle = self.idle
+        reclaimable = len(idle) - sum(map(idle.__contains__, held))
         if needed > self.free + reclaimable:
             return False
-        for key in request.keys[:hits]:
-            self._hold(key)
-        request.held = list(request.keys[:hits])
+        refs = self.refs
+        for key in held:
+            count = refs[key]
+            if count == 0:
+                del idle[key]
+            refs[key] = count + 1
+        request.held = held
         self._take(needed)
         request.private = needed
         request.computed = hits * size
@@ -210,12 +217,7 @@ class _Rank:
 
     def depth(self, keys: Sequence[int]) -> int:
         """How many leading blocks of ``keys`` this rank holds."""
-        held = 0
-        for key in keys:
-            if key not in self.refs:
-                break
-            held += 1
-        return held
+        return len(list(itertools.takewhile(self.refs.__contains__, keys)))
 
     def _hold(self, key: int) -> None:
         count = self.refs[key]
@@ -253,11 +255,13 @@ class _Rank:
             request.held.append(key)
 
     def _release(self, request: _Request) -> None:
+        refs = self.refs
+        idle = self.idle
         for key in request.held:
-            count = self.refs[key] - 1
-            self.refs[key] = count
+            count = refs[key] - 1
+            refs[key] = count
             if count == 0:
-                self.idle[key] = None
+                idle[key] = None
         self.private -= request.private
         request.held = []
         request.private = 0
@@ -386,8 +390,13 @@ class Simulation:
         heapq.heappush(self._events, (when, next(self._order), action))
 
     def submit(
-        self, tokens: tuple[int, ...], outputs: int, on_done: Callable[[_Request, float], None]
+        self,
+        tokens: tuple[int, ...],
+        outputs: int,
+        on_done: Callable[[_Request, float], None],
+        keys: list[int] | None = None,
     ) -> None:
+        """Route and queue one request; ``keys`` are its block keys when the caller has them."""
         request = PreparedRequest(
             request_id=f"sim-{next(self._order)}",
             prompt_token_ids=tokens,
@@ -398,11 +407,12 @@ class Simulation:
         self.router.sent()
         rank_id = ticket.decision.rank
         assert rank_id is not None
-        keys = prompt_keys(tokens, self.model.block_size).hashes
+        if keys is None:
+            keys = prompt_keys(tokens, self.model.block_size).hashes
         rank = self.ranks[rank_id]
         entry = _Request(len(tokens), keys, outputs, ticket, self.now, on_done)
         carried = self._carried
-        entry.seen = next((i for i, key in enumerate(keys) if key not in carried), len(keys))
+        entry.seen = len(list(itertools.takewhile(carried.__contains__, keys)))
         entry.floor = self.model.floor(entry.prompt, entry.seen)
         entry.held_elsewhere = max(other.depth(keys) for other in self.ranks)
         carried.update(keys)
@@ -445,13 +455,31 @@ class Simulation:
         """Queue every session of ``plan``: each turn goes once the previous one is answered
         and its pause is over."""
         for session in plan:
-            self.at(session.start, self._turn(session, systems, 0))
+            self.at(session.start, self._turn(session, systems, 0, (), []))
 
     def _turn(
-        self, session: Session, systems: Sequence[tuple[int, ...]], turn: int
+        self,
+        session: Session,
+        systems: Sequence[tuple[int, ...]],
+        turn: int,
+        before: tuple[int, ...],
+        before_keys: list[int],
     ) -> Callable[[], None]:
+        """Turn ``turn`` of ``session``, whose previous prompt was ``before``: each prompt
+        extends the last, so only the new blocks are hashed."""
+        size = self.model.block_size
+        tokens: tuple[int, ...] = ()
+        keys: list[int] = []
+
         def send() -> None:
-            self.submit(session.prompt(systems, turn), session.outputs[turn], finished)
+            nonlocal tokens, keys
+            if turn == 0:
+                tokens = session.prompt(systems, 0)
+            else:
+                tokens = before + session.answers[turn - 1] + session.messages[turn]
+            parent = before_keys[-1] if before_keys else EMPTY_SEED
+            keys = before_keys + chain_hashes(tokens, size, parent, start=len(before_keys))
+            self.submit(tokens, session.outputs[turn], finished, keys)
 
         def finished(request: _Request, now: float) -> None:
             self.outcome.ttfts.append(request.first_token - request.arrived)
@@ -460,7 +488,8 @@ class Simulation:
             self.outcome.recomputed_elsewhere.append(request.recomputed_elsewhere)
             self.outcome.latencies.append(now - request.arrived)
             if turn + 1 < len(session.messages):
-                self.at(now + session.pauses[turn], self._turn(session, systems, turn + 1))
+                follow = self._turn(session, systems, turn + 1, tokens, keys)
+                self.at(now + session.pauses[turn], follow)
 
         return send
 
@@ -530,6 +559,14 @@ FACTORIES: dict[str, RouterFactory] = {
 }
 
 
+@functools.lru_cache(maxsize=8)
+def _plan(
+    shape: Shape, rate: float, seconds: float, seed: int
+) -> tuple[tuple[Session, ...], tuple[tuple[int, ...], ...]]:
+    """One workload, drawn once for every policy that plays it."""
+    return tuple(sessions(shape, rate, seconds, seed)), tuple(system_prompts(shape))
+
+
 def run_plan(
     model: EngineModel,
     policy: str,
@@ -540,9 +577,9 @@ def run_plan(
 ) -> Outcome:
     """The outcome of the sessions that start in ``seconds`` at ``rate`` a second, routed by
     ``policy`` (a key of :data:`FACTORIES`) with ``config``'s tunables."""
-    plan = sessions(shape, rate, seconds, shape.seed + model.dp)
+    plan, systems = _plan(shape, rate, seconds, shape.seed + model.dp)
     sim = Simulation(model, config, FACTORIES[policy])
-    sim.play(plan, system_prompts(shape))
+    sim.play(plan, systems)
     sim.run()
     return sim.outcome
 
