@@ -95,6 +95,8 @@ PROBE_PATHS = frozenset({b"/health", b"/ready"})
 DISCONNECT_NOTICE = "rankgate.disconnect"
 # The scope key of the connection's PeerWindow.
 PEER_WINDOW = "rankgate.peer_window"
+# The scope key of a request's ChunkWriter.
+CHUNK_WRITER = "rankgate.chunk_writer"
 _TCP_INFO_LEN = 232
 
 
@@ -164,6 +166,36 @@ def _answer(status: int, message: str, code: str, default_headers: list[Any]) ->
     )
     lines.append(body)
     return b"".join(lines)
+
+
+class ChunkWriter:
+    """Writes a streamed response's chunks straight to the socket, past the ASGI ``send``.
+
+    A streamed token is one chunk, and each passing through ``send`` resumes a coroutine
+    per middleware layer and uvicorn's own, to reach the one ``transport.write`` it ends in.
+    :meth:`write` makes that write itself, framed as uvicorn frames it, when nothing else
+    would happen: the response has started with chunked framing, is not complete, the client
+    is connected and the socket takes writes. Otherwise it returns False and the chunk goes
+    through ``send``, which waits for the socket to drain, or drops the chunk for a client that
+    left, as it always does.
+    """
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def write(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            cycle.chunked_encoding is not True
+            or cycle.response_complete
+            or cycle.disconnected
+            or cycle.flow.write_paused
+        ):
+            return False
+        cycle.transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
+        return True
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -308,7 +340,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.scope[DISCONNECT_NOTICE] = DisconnectNotice()  # type: ignore[literal-required]
         if self._window is not None:
             self.scope[PEER_WINDOW] = self._window  # type: ignore[literal-required]
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before and self.cycle is not None:
+            self.scope[CHUNK_WRITER] = ChunkWriter(self.cycle).write  # type: ignore[literal-required]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -18,6 +18,7 @@ from typing import Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from rankgate.app.connections import CHUNK_WRITER
 from rankgate.app.errors import as_api_error
 from rankgate.app.observe import Tracked
 from rankgate.app.respond.primed import close_stream, unprimed
@@ -136,7 +137,7 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks = self.chunks
         if isinstance(chunks, Guarded):
-            await self._run(chunks, send)
+            await self._run(chunks, scope, send)
             return
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -151,7 +152,7 @@ class EventStreamResponse(Response):
             if aclose is not None:
                 await aclose()
 
-    async def _run(self, guarded: Guarded, send: Send) -> None:
+    async def _run(self, guarded: Guarded, scope: Scope, send: Send) -> None:
         events = guarded.events
         status = 200
         finished = False
@@ -161,7 +162,8 @@ class EventStreamResponse(Response):
                 # In a task of its own, each delta resumes the few frames of the encoding loop
                 # rather than every frame of the ASGI stack above this response. Cancelling
                 # this task (the client left) cancels that one.
-                status = await get_running_loop().create_task(_send_encoded(events, send))
+                write = scope.get(CHUNK_WRITER)
+                status = await get_running_loop().create_task(_send_encoded(events, send, write))
             else:
                 status = await _send_chunks(events, send)
             finished = True
@@ -189,8 +191,14 @@ async def _send_chunks(events: AsyncIterable[bytes], send: Send) -> int:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
-async def _send_encoded(events: DeltaEvents, send: Send) -> int:
-    """:func:`_send_chunks` for a delta stream, with the encoder called inline."""
+async def _send_encoded(
+    events: DeltaEvents, send: Send, write: Callable[[bytes], bool] | None = None
+) -> int:
+    """:func:`_send_chunks` for a delta stream, with the encoder called inline.
+
+    ``write`` (the server's :class:`~app.connections.ChunkWriter`, where it has one) takes
+    every chunk after the first, which goes through ``send`` so that the layers watching the
+    stream know it has begun; a chunk it declines goes through ``send`` too."""
     encoder = events.encoder
     chunk = encoder.chunk
     try:
@@ -203,9 +211,11 @@ async def _send_encoded(events: DeltaEvents, send: Send) -> int:
         out = chunk(first) if first is not None else b""
     except Exception as exc:
         return await _send_error(exc, send, encoder)
+    direct = None
     while True:
-        if out:
+        if out and (direct is None or not direct(out)):
             await send({"type": "http.response.body", "body": out, "more_body": True})
+            direct = write
         try:
             delta = await step()
             if note is not None:

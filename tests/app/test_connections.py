@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from rankgate.app.connections import ConnectionLimits
+from rankgate.app.connections import ChunkWriter, ConnectionLimits
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
@@ -328,3 +328,111 @@ def test_bytes_that_are_not_http_get_a_json_400(gateway: str) -> None:
     assert status == 400
     assert error_code(body) == "invalid_http"
     assert closed
+
+
+def _dechunk(data: bytes) -> tuple[list[bytes], bool]:
+    """The chunks of a chunked body, and whether its terminating chunk was there."""
+    chunks: list[bytes] = []
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return chunks, data == b"\r\n"
+        chunks.append(data[:size])
+        assert data[size : size + 2] == b"\r\n", data[: size + 2]
+        data = data[size + 2 :]
+    return chunks, False
+
+
+def test_streamed_chunks_are_written_directly_and_framed_as_uvicorn_frames_them(
+    gateway: str, engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every SSE chunk after the first goes straight to the socket, each one an HTTP chunk
+    of its own, and the body ends with the terminating chunk: what ``send`` would write."""
+    direct: list[bytes] = []
+    write = ChunkWriter.write
+
+    def counted(self: ChunkWriter, body: bytes) -> bool:
+        wrote = write(self, body)
+        if wrote:
+            direct.append(body)
+        return wrote
+
+    monkeypatch.setattr(ChunkWriter, "write", counted)
+    engine.outputs = ["one two three four five six"]
+    try:
+        body = orjson.loads(BODY)
+        body.update(stream=True, max_tokens=6)
+        payload = orjson.dumps(body)
+        sock = socket.create_connection(address(gateway))
+        sock.settimeout(10)
+        try:
+            sock.sendall(head(length=len(payload)) + payload)
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                chunk = sock.recv(65536)
+                assert chunk, data
+                data += chunk
+        finally:
+            sock.close()
+    finally:
+        engine.outputs = ["Hello there."]
+    header, _, rest = data.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in header.lower()
+    chunks, ended = _dechunk(rest)
+    assert ended
+    events = [event for chunk in chunks for event in chunk.split(b"\n\n") if event]
+    assert events[-1] == b"data: [DONE]"
+    text = "".join(
+        choice["delta"].get("content", "")
+        for event in events[:-1]
+        for choice in orjson.loads(event.removeprefix(b"data: "))["choices"]
+    )
+    assert text == "one two three four five six"
+    # The first chunk and the tail go through send; every chunk between them went direct.
+    assert direct == chunks[1:-1]
+    assert len(direct) >= 4
+
+
+class _Flow:
+    write_paused = False
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.chunked_encoding: bool | None = True
+        self.response_complete = False
+        self.disconnected = False
+        self.flow = _Flow()
+        self.transport = _Transport()
+
+
+@pytest.mark.parametrize(
+    ("state", "value"),
+    [
+        ("chunked_encoding", None),
+        ("chunked_encoding", False),
+        ("response_complete", True),
+        ("disconnected", True),
+        ("write_paused", True),
+    ],
+)
+def test_the_chunk_writer_leaves_to_send_what_send_must_handle(state: str, value: object) -> None:
+    """A response not chunked (not started, or with a length), complete, whose client left,
+    or whose socket is full: the writer declines, so ``send`` waits, drops or refuses as it
+    does."""
+    cycle = _Cycle()
+    writer = ChunkWriter(cycle)
+    assert writer.write(b"data: 1\n\n")
+    assert cycle.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
+    setattr(cycle.flow if state == "write_paused" else cycle, state, value)
+    assert not writer.write(b"data: 2\n\n")
+    assert cycle.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
