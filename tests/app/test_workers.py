@@ -203,20 +203,26 @@ def _scrape(url: str) -> str:
 
 def test_two_workers_serve_one_port_and_share_load(gateway: Gateway) -> None:
     count = 8
-    streams = Streams(gateway.url, count, "shared")
-    streams.wait_started()
-    for _ in range(8):
-        text = _scrape(gateway.url)
-        # Every worker's router counts all eight, wherever they are served...
-        assert value(text, "rankgate_routing_in_flight_requests") == count
-        # ...and the merged gauge adds up both workers' requests.
-        assert value(text, "rankgate_http_requests_in_flight") == count
-    streams.join()
-    assert streams.outcomes == dict.fromkeys(streams.ids, "done")
-    lines = [line for line in gateway.access_lines() if line["request_id"] in streams.ids]
-    assert len(lines) == count
-    assert {line["status"] for line in lines} == {200}
-    assert {line["completion_tokens"] for line in lines} == {LONG}
+    # The workers share one accept queue, and a worker woken by the first connection may
+    # accept every one queued behind it: a round can land on one worker alone, so there are
+    # up to three.
+    for attempt in range(3):
+        streams = Streams(gateway.url, count, f"shared-{attempt}")
+        streams.wait_started()
+        for _ in range(8):
+            text = _scrape(gateway.url)
+            # Every worker's router counts all eight, wherever they are served...
+            assert value(text, "rankgate_routing_in_flight_requests") == count
+            # ...and the merged gauge adds up both workers' requests.
+            assert value(text, "rankgate_http_requests_in_flight") == count
+        streams.join()
+        assert streams.outcomes == dict.fromkeys(streams.ids, "done")
+        lines = [line for line in gateway.access_lines() if line["request_id"] in streams.ids]
+        assert len(lines) == count
+        assert {line["status"] for line in lines} == {200}
+        assert {line["completion_tokens"] for line in lines} == {LONG}
+        if len({line["pid"] for line in lines}) == 2:
+            break
     # Both workers served some of them, so each counted requests it did not serve itself.
     assert len({line["pid"] for line in lines}) == 2
     text = _scrape(gateway.url)

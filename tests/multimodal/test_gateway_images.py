@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,6 +28,7 @@ from tests.conformance.helpers import kv_listener
 from tests.conftest import TINY_TOKENIZER
 from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.engines import EngineUnderTest
+from tests.support.metrics import metric_total
 
 IMAGE_TOKEN = 5  # <|image|> in the tiny tokenizer, the mock's placeholder
 PATCH = 28
@@ -272,11 +274,17 @@ def test_a_request_with_several_new_images_learns_each_of_them(
         ["Compare", encode(first, "PNG"), "with", encode(second, "PNG"), "and then",
          encode(third, "PNG"), encode(fourth, "PNG")]
     )  # fmt: skip
+    indexed = metric_total(gateway, "rankgate_routing_index_blocks", medium="device")
     response = gateway.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.headers["x-rankgate-route"].endswith(";prompt=estimated")
     for picture in (first, second, third, fourth):
         assert preparer.learned.get(png_id(picture)) == mock_tokens(*picture.size)
+    # The blocks it stored reach the index with the engine's KV events, after the answer.
+    deadline = time.monotonic() + 10
+    while metric_total(gateway, "rankgate_routing_index_blocks", medium="device") <= indexed:
+        assert time.monotonic() < deadline, "the first request's blocks were never indexed"
+        time.sleep(0.02)
     # Every size known now: the repeat is routed on its image blocks, its count exact.
     again = gateway.post("/v1/chat/completions", json=body)
     route = again.headers["x-rankgate-route"]
