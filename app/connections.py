@@ -38,7 +38,7 @@ import asyncio
 import logging
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -95,8 +95,8 @@ PROBE_PATHS = frozenset({b"/health", b"/ready"})
 DISCONNECT_NOTICE = "rankgate.disconnect"
 # The scope key of the connection's PeerWindow.
 PEER_WINDOW = "rankgate.peer_window"
-# The scope key of a request's ChunkWriter.
-CHUNK_WRITER = "rankgate.chunk_writer"
+# The scope key of the uvicorn cycle a request's response goes out on (see ChunkWriter.of).
+_RESPONSE_CYCLE = "rankgate.response_cycle"
 _TCP_INFO_LEN = 232
 
 
@@ -184,6 +184,13 @@ class ChunkWriter:
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
+
+    @classmethod
+    def of(cls, scope: Mapping[str, Any]) -> ChunkWriter | None:
+        """The writer for the response to ``scope``'s request; None under another server.
+        Built when a stream asks for it: most responses are not streamed."""
+        cycle = scope.get(_RESPONSE_CYCLE)
+        return None if cycle is None else cls(cycle)
 
     def write(self, body: bytes) -> bool:
         cycle = self._cycle
@@ -343,7 +350,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         before = self.cycle
         super().on_headers_complete()
         if self.cycle is not before and self.cycle is not None:
-            self.scope[CHUNK_WRITER] = ChunkWriter(self.cycle).write  # type: ignore[literal-required]
+            self.scope[_RESPONSE_CYCLE] = self.cycle  # type: ignore[literal-required]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -18,7 +18,7 @@ from typing import Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from rankgate.app.connections import CHUNK_WRITER
+from rankgate.app.connections import ChunkWriter
 from rankgate.app.errors import as_api_error
 from rankgate.app.observe import Tracked
 from rankgate.app.respond.primed import close_stream, unprimed
@@ -162,7 +162,8 @@ class EventStreamResponse(Response):
                 # In a task of its own, each delta resumes the few frames of the encoding loop
                 # rather than every frame of the ASGI stack above this response. Cancelling
                 # this task (the client left) cancels that one.
-                write = scope.get(CHUNK_WRITER)
+                writer = ChunkWriter.of(scope)
+                write = None if writer is None else writer.write
                 status = await get_running_loop().create_task(_send_encoded(events, send, write))
             else:
                 status = await _send_chunks(events, send)
