@@ -8,11 +8,14 @@ start the mock through ``tests/support/mock_engine.py`` instead.
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import zmq
 
 from rankgate.mocker.config import BUNDLED_TOKENIZER, MockEngineConfig
 from rankgate.mocker.threaded import serving_in_thread
@@ -25,6 +28,8 @@ DP_SIZE = 2
 # incomplete answer, and agent frameworks refuse).
 EOS_PROBABILITY = 1 / 40
 _HOST = "127.0.0.1"
+# Starts tried when a KV-event port run, free when probed, was taken before the engine bound it.
+_START_TRIES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,24 +55,35 @@ def demo_engine(
     side of a disaggregated pair.
     """
     directory = tokenizer or str(tiny_tokenizer_dir())
-    config = MockEngineConfig(
-        host=_HOST,
-        port=_free_port(),
-        dp_size=DP_SIZE,
-        model=MODEL,
-        tokenizer=directory,
-        model_id=directory,
-        kv_events_port=_free_port_run(DP_SIZE),
-        kv_replay_port=_free_port_run(DP_SIZE),
-        # A concrete host: the publishers connect to the gateway's loopback sockets and the
-        # replay sockets bind on loopback, as vLLM does; '*' would bind every interface.
-        kv_events_host=_HOST,
-        speed=speed,
-        role=role,
-        eos_probability=EOS_PROBABILITY,
-    )
-    with serving_in_thread(config) as (server, _):
-        yield DemoEngine(server.target, directory)
+    for attempt in range(_START_TRIES):
+        config = MockEngineConfig(
+            host=_HOST,
+            # The kernel picks the gRPC port as it binds: no window for another socket to take it.
+            port=0,
+            dp_size=DP_SIZE,
+            model=MODEL,
+            tokenizer=directory,
+            model_id=directory,
+            # KV-event sockets sit at consecutive ports (one per rank), which only a probe finds.
+            kv_events_port=_free_port_run(DP_SIZE),
+            kv_replay_port=_free_port_run(DP_SIZE),
+            # A concrete host: the publishers connect to the gateway's loopback sockets and the
+            # replay sockets bind on loopback, as vLLM does; '*' would bind every interface.
+            kv_events_host=_HOST,
+            speed=speed,
+            role=role,
+            eos_probability=EOS_PROBABILITY,
+        )
+        stack = ExitStack()
+        try:
+            server, _ = stack.enter_context(serving_in_thread(config))
+        except (OSError, zmq.ZMQError) as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == _START_TRIES - 1:
+                raise
+            continue
+        with stack:
+            yield DemoEngine(server.target, directory)
+        return
 
 
 def _free_port() -> int:

@@ -171,19 +171,19 @@ class KvEventPublisher:
             raise
 
     def _open(self) -> None:
-        pub = self._context.socket(zmq.PUB)
+        # Each socket is held before it binds, so that a failed bind closes it: a socket left
+        # open would make the context's term() wait for it forever.
+        pub = self._pub = self._context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
         pub.setsockopt(zmq.LINGER, 0)
         if is_bind_endpoint(self.endpoint):
             pub.bind(self.endpoint)
         else:
             pub.connect(self.endpoint)
-        self._pub = pub
         if self.replay_endpoint is not None:
-            replay = self._context.socket(zmq.ROUTER)
+            replay = self._replay = self._context.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
             replay.bind(self.replay_endpoint)
-            self._replay = replay
             self._replay_task = asyncio.get_running_loop().create_task(
                 self._serve_replay(replay), name=f"kv-replay-{self.rank}"
             )

@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -121,7 +121,12 @@ class MockServer:
                     hwm=config.kv_events_hwm,
                     event_format=config.kv_event_format,
                 )
-                publisher.open()
+                try:
+                    publisher.open()
+                except zmq.ZMQError:
+                    # stop() knows no group yet: the ranks already started are closed here.
+                    await _stop_engines(engines)
+                    raise
             engine = RankEngine(rank, config, self.vocab, self.model, publisher)
             engine.start()
             engines.append(engine)
@@ -163,10 +168,7 @@ class MockServer:
         if self.faults is not None:
             await self.faults.close()
         if self.group is not None:
-            for engine in self.group.engines.values():
-                await engine.stop()
-                if engine.publisher is not None:
-                    await engine.publisher.close()
+            await _stop_engines(self.group.engines.values())
         await self.media.close()
         if self._zmq is not None:
             self._zmq.term()
@@ -181,6 +183,13 @@ class MockServer:
         assert self.faults is not None
         self.faults.check_admission()
         return self.group.submit(req, rank)
+
+
+async def _stop_engines(engines: Iterable[RankEngine]) -> None:
+    for engine in engines:
+        await engine.stop()
+        if engine.publisher is not None:
+            await engine.publisher.close()
 
 
 def _with_instance_id(config: MockEngineConfig) -> MockEngineConfig:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rankgate.mocker import demo as demo_module
 from rankgate.mocker.demo import DP_SIZE, MODEL, demo_engine, tiny_tokenizer_dir
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.engine import Sidecar
@@ -55,3 +56,42 @@ async def test_an_operator_tokenizer_is_the_one_served(tmp_path: Path) -> None:
             assert sidecar.info.model_id == str(own)
         finally:
             await sidecar.close()
+
+
+@pytest.mark.parametrize("taken_rank", range(DP_SIZE))
+async def test_a_kv_port_taken_after_its_probe_gets_a_fresh_run(
+    monkeypatch: pytest.MonkeyPatch, taken_rank: int
+) -> None:
+    """Another process may bind a probed port before the engine does: the start closes what
+    it opened (the ranks before the taken one included) and goes on with ports of its own."""
+    base = demo_module._free_port_run(DP_SIZE)
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", base + taken_rank))
+    except OSError:
+        pytest.skip("the probed port was taken meanwhile")
+    taken.listen()
+    real = demo_module._free_port_run
+    handed: list[int] = []
+
+    def stale_then_free(count: int) -> int:
+        port = base if len(handed) < 2 else real(count)
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(demo_module, "_free_port_run", stale_then_free)
+    try:
+        with demo_engine(speed=0.0) as demo:
+            sidecar = Sidecar(
+                SidecarConfig(endpoint=demo.target, startup_timeout=10), FixedRouter()
+            )
+            await sidecar.start()
+            try:
+                sources = sidecar.info.kv_event_sources
+            finally:
+                await sidecar.close()
+    finally:
+        taken.close()
+    assert handed[:2] == [base, base]
+    assert len(handed) == 4
+    assert len(sources) == DP_SIZE
