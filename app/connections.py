@@ -192,17 +192,25 @@ class ChunkWriter:
         cycle = scope.get(_RESPONSE_CYCLE)
         return None if cycle is None else cls(cycle)
 
-    def write(self, body: bytes) -> bool:
+    def ready(self) -> bool:
+        """Whether :meth:`write` would write now."""
         cycle = self._cycle
-        if (
-            cycle.chunked_encoding is not True
-            or cycle.response_complete
-            or cycle.disconnected
-            or cycle.flow.write_paused
-        ):
+        return (
+            cycle.chunked_encoding is True
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and not cycle.flow.write_paused
+        )
+
+    def write(self, body: bytes) -> bool:
+        if not self.ready():
             return False
-        cycle.transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
+        self.write_ready(body)
         return True
+
+    def write_ready(self, body: bytes) -> None:
+        """Write ``body``, :meth:`ready` having said just now that it may be written."""
+        self._cycle.transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):

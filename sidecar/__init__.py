@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from rankgate.sidecar.routing.shared_load import SharedLoadBoard
     from rankgate.sidecar.types import (
         Delta,
+        DeltaSink,
         EngineInfo,
         MediaInput,
         Metadata,
@@ -86,6 +87,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "build_router": ("routing.policies", "build_router"),
     "SharedLoadBoard": ("routing.shared_load", "SharedLoadBoard"),
     "Delta": ("types", "Delta"),
+    "DeltaSink": ("types", "DeltaSink"),
     "EngineInfo": ("types", "EngineInfo"),
     "MediaInput": ("types", "MediaInput"),
     "Metadata": ("types", "Metadata"),
@@ -104,6 +106,7 @@ __all__ = [
     "AdmissionConfig",
     "BadEngineResponse",
     "Delta",
+    "DeltaSink",
     "DisaggConfig",
     "DisaggMetrics",
     "DisaggregatedEngine",

@@ -312,7 +312,7 @@ class DisaggregatedEngine:
             else:
                 self._metrics.seeded.labels("first_token").inc()
                 yield pd_seed.opening(seeded)
-        stream = self._decode.generate(
+        stream: AsyncGenerator[Delta, Any] = self._decode.generate(
             _decode_request(decode, prefilled), decode_handoff=True, trusted_until=trusted_until
         )
         try:

@@ -26,7 +26,7 @@ from rankgate.sidecar.proto.vllm import control_pb2
 from rankgate.sidecar.routing.base import PrefillCost, Router
 from rankgate.sidecar.status import error_from_rpc
 from rankgate.sidecar.streams import RequestStreams, StreamBook
-from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest
+from rankgate.sidecar.types import Delta, DeltaSink, EngineInfo, PreparedRequest
 
 
 class Sidecar:
@@ -105,7 +105,7 @@ class Sidecar:
         *,
         decode_handoff: bool = False,
         trusted_until: float | None = None,
-    ) -> AsyncGenerator[Delta, None]:
+    ) -> AsyncGenerator[Delta, DeltaSink | None]:
         """Stream the deltas of every choice of ``request``, interleaved as they arrive.
 
         Raises the typed errors of ``sidecar.errors``; nothing is sent to the engine when the
@@ -116,6 +116,11 @@ class Sidecar:
         has not produced its first token yet: that one is read on in the background, at most
         ``decode_handoff_timeout`` seconds. Such a decode is not sent once ``trusted_until``
         (``time.monotonic()``) has passed, when the KV it reads may be gone (KvLeaseExpired).
+
+        A consumer of a streamed request may send a :class:`DeltaSink` in (``asend``): the
+        choice's middle deltas then go to it from the engine connection's callback, and the
+        consumer's task wakes only for the last delta, a failure, or while the sink is not
+        ready. A request of several streams ignores it.
         """
         streams = self._streams(request, decode_handoff or is_decode_handoff(request), alone=True)
         streams.trusted_until = trusted_until
@@ -132,18 +137,24 @@ class Sidecar:
             accept = streams.accept_reply if unary else streams.accept
             stream = streams.opened[0]
             call = stream.call
+            sink: DeltaSink | None = None
             while True:
                 try:
                     response = await (call.reply() if unary else anext(call))
                 except BaseException as error:
                     stream = streams.failed(stream, error)
                     call = stream.call
+                    if sink is not None:
+                        call.push = streams.pusher(stream, sink)
                     continue
                 delta = accept(stream, response)
                 if delta is not None:
-                    yield delta
+                    sent = yield delta
                     if stream.done:
                         return
+                    if sent is not None and not unary:
+                        sink = sent
+                        call.push = streams.pusher(stream, sink)
         finally:
             streams.drop()
 

@@ -118,6 +118,7 @@ class Call(H2Stream, Generic[T]):
         "_retry_after",
         "_waiter",
         "conn",
+        "push",
         "sent",
         "tries",
     )
@@ -151,6 +152,9 @@ class Call(H2Stream, Generic[T]):
         # The request as sent, kept until the engine answers: a refused stream is resent.
         self.sent: tuple[bytes, bytes] | None = None
         self.tries = 0
+        # Offered each message that arrives while its reader waits; one it takes (True) is not
+        # handed to the reader, which is woken only for a message it declines or the end.
+        self.push: Callable[[T], bool] | None = None
 
     # -- consumer side
 
@@ -206,23 +210,33 @@ class Call(H2Stream, Generic[T]):
             self._waiter = future
         return future
 
-    def _resolve(self, future: asyncio.Future[T]) -> bool:
-        """Give ``future`` the next message, or the end of the call; False when neither is
-        there yet."""
-        try:
-            message = self._next()
-        except Exception as bad:
-            # A reply that does not parse breaks the contract: the engine is not busy, and
-            # another rank would not answer better. The engine is told to stop at once.
-            broken = BadEngineResponse(f"the engine sent a reply that does not parse: {bad!r}")
-            if self._waiter is future:
-                self._waiter = None
-            self._messages.clear()
-            self._pending.clear()
-            self._end_with(broken)
-            if not future.done():
-                future.set_exception(broken)
-            return True
+    def _resolve(self, future: asyncio.Future[T], push: Callable[[T], bool] | None = None) -> bool:
+        """Give ``future`` the next message that ``push`` (when given) does not take, or the
+        end of the call; False when neither is there yet."""
+        while True:
+            try:
+                message = self._next()
+            except Exception as bad:
+                # A reply that does not parse breaks the contract: the engine is not busy, and
+                # another rank would not answer better. The engine is told to stop at once.
+                broken = BadEngineResponse(f"the engine sent a reply that does not parse: {bad!r}")
+                if self._waiter is future:
+                    self._waiter = None
+                self._messages.clear()
+                self._pending.clear()
+                self._end_with(broken)
+                if not future.done():
+                    future.set_exception(broken)
+                return True
+            if message is None or push is None:
+                break
+            try:
+                if not push(message):
+                    break
+            except Exception as failure:
+                # The consumer failed on a message it took: its reader raises the failure.
+                future.set_exception(failure)
+                return True
         if message is not None:
             future.set_result(message)
             return True
@@ -275,7 +289,7 @@ class Call(H2Stream, Generic[T]):
             if waiter.done():
                 # Its reader was cancelled; the message stays queued for the next read.
                 self._waiter = None
-            elif self._resolve(waiter):
+            elif self._resolve(waiter, self.push):
                 self._waiter = None
 
     def _finish(self, error: BaseException | None) -> None:

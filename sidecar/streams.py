@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -38,7 +38,7 @@ from rankgate.sidecar.grpc_call import Call
 from rankgate.sidecar.inference_client import GenerateRequest, GenerateResponse
 from rankgate.sidecar.lifecycle import Lifecycle, rank_metadata
 from rankgate.sidecar.routing.base import Router, RouteTicket
-from rankgate.sidecar.types import Delta, EngineCallTrace, PreparedRequest
+from rankgate.sidecar.types import Delta, DeltaSink, EngineCallTrace, PreparedRequest
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,24 @@ class RequestStreams(msgspec.Struct, eq=False):
             self._book.release(stream)
         self.yielded = True
         return delta
+
+    def pusher(self, stream: EngineStream, sink: DeltaSink) -> Callable[[GenerateResponse], bool]:
+        """What ``stream``'s call offers each message to once ``sink`` takes its deltas: a
+        message that neither starts nor ends the choice becomes a delta for ``sink`` while it
+        is ready; any other is left to the reader, which releases the stream at its end."""
+        accept = self.accept
+        ready = sink.ready
+        put = sink.put
+
+        def push(response: GenerateResponse) -> bool:
+            if not stream.started or not ready() or response.outputs.HasField("finish_info"):
+                return False
+            delta = accept(stream, response)
+            if delta is not None:
+                put(delta)
+            return True
+
+        return push
 
     def accept_reply(self, stream: EngineStream, response: GenerateResponse) -> Delta:
         """The whole output of a unary call as one delta; a reply without a finish is an

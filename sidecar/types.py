@@ -193,6 +193,23 @@ class Delta(msgspec.Struct, kw_only=True, gc=False):
     route: str | None = None
 
 
+class DeltaSink(Protocol):
+    """Where a streamed choice's deltas go when its consumer takes them straight from the
+    engine connection's callback, without waking its task for each one.
+
+    A consumer sends one into :meth:`Sidecar.generate`'s stream (``asend``). From then on a
+    delta that neither starts nor ends the choice is handed to :meth:`put` while :meth:`ready`
+    holds, in order; every other delta, and every one while it does not hold, is yielded as
+    before. ``put`` must take the delta whole: it runs inside the connection's callback.
+    """
+
+    def ready(self) -> bool:
+        """Whether :meth:`put` would hand a delta on right now."""
+
+    def put(self, delta: Delta) -> None:
+        """Take one delta; an exception ends the stream as the same failure yielded would."""
+
+
 class RankCapacity(msgspec.Struct, frozen=True):
     rank: int
     kv_blocks: int

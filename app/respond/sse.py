@@ -163,8 +163,7 @@ class EventStreamResponse(Response):
                 # rather than every frame of the ASGI stack above this response. Cancelling
                 # this task (the client left) cancels that one.
                 writer = ChunkWriter.of(scope)
-                write = None if writer is None else writer.write
-                status = await get_running_loop().create_task(_send_encoded(events, send, write))
+                status = await get_running_loop().create_task(_send_encoded(events, send, writer))
             else:
                 status = await _send_chunks(events, send)
             finished = True
@@ -192,14 +191,43 @@ async def _send_chunks(events: AsyncIterable[bytes], send: Send) -> int:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
-async def _send_encoded(
-    events: DeltaEvents, send: Send, write: Callable[[bytes], bool] | None = None
-) -> int:
+class _DirectSink:
+    """The stream's middle deltas, encoded and written from the engine connection's callback
+    (a :class:`~sidecar.DeltaSink`): the response's task is not woken for them at all.
+
+    The sidecar asks :meth:`ready` right before each :meth:`put`, and nothing between the two
+    touches the connection, so the write cannot be refused."""
+
+    __slots__ = ("_chunk", "_note", "_write", "ready")
+
+    def __init__(
+        self,
+        writer: ChunkWriter,
+        chunk: Callable[[Delta], bytes],
+        note: Callable[[Delta], None] | None,
+    ) -> None:
+        self.ready = writer.ready
+        self._write = writer.write_ready
+        self._chunk = chunk
+        self._note = note
+
+    def put(self, delta: Delta) -> None:
+        note = self._note
+        if note is not None:
+            note(delta)
+        out = self._chunk(delta)
+        if out:
+            self._write(out)
+
+
+async def _send_encoded(events: DeltaEvents, send: Send, writer: ChunkWriter | None = None) -> int:
     """:func:`_send_chunks` for a delta stream, with the encoder called inline.
 
-    ``write`` (the server's :class:`~app.connections.ChunkWriter`, where it has one) takes
+    ``writer`` (the server's :class:`~app.connections.ChunkWriter`, where it has one) takes
     every chunk after the first, which goes through ``send`` so that the layers watching the
-    stream know it has begun; a chunk it declines goes through ``send`` too."""
+    stream know it has begun; a chunk it declines goes through ``send`` too. Once a delta has
+    been read past the first chunk, a sidecar stream is sent a :class:`_DirectSink`, and its
+    middle deltas no longer pass through this loop."""
     encoder = events.encoder
     chunk = encoder.chunk
     try:
@@ -213,12 +241,24 @@ async def _send_encoded(
     except Exception as exc:
         return await _send_error(exc, send, encoder)
     direct = None
+    # The stream's asend(), to send it the sink through once a chunk has gone through send
+    # and a step has started the stream (asend() into one not started yet is an error).
+    install = None
+    sink_sent = writer is None
     while True:
         if out and (direct is None or not direct(out)):
             await send({"type": "http.response.body", "body": out, "more_body": True})
-            direct = write
+            if writer is not None:
+                direct = writer.write
         try:
-            delta = await step()
+            if install is not None and writer is not None and direct is not None:
+                delta = await install(_DirectSink(writer, chunk, note))
+                install = None
+            else:
+                delta = await step()
+                if not sink_sent:
+                    install = getattr(rest, "asend", None)
+                    sink_sent = True
             if note is not None:
                 note(delta)
             out = chunk(delta)
