@@ -213,6 +213,54 @@ class ChunkWriter:
         self._cycle.transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
 
 
+class HeldHead:
+    """A response cycle's transport until the cycle's first write has gone out.
+
+    uvicorn writes a response's head when the app sends ``http.response.start`` and its body
+    at the next message: two writes, two TCP segments, each costing the gateway's core about
+    as much again in the kernel as the other. The first write (the head) is held instead; the
+    next one, which for a whole JSON answer comes in the same loop tick, leaves with it as one
+    write. A head with nothing after it in its tick (a stream's) goes out alone at the tick's
+    end. Either way the cycle then has its transport back: every later write is direct.
+    """
+
+    __slots__ = ("_cycle", "_held", "_loop", "_transport")
+
+    def __init__(self, cycle: Any, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._cycle = cycle
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            self._held = data
+            self._loop.call_soon(self._flush)
+            return
+        self._release()
+        self._transport.write(held + data)
+
+    def _release(self) -> None:
+        self._held = None
+        if self._cycle.transport is self:
+            self._cycle.transport = self._transport
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._release()
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with :class:`ConnectionLimits`; see the module docstring.
 
@@ -357,8 +405,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.scope[PEER_WINDOW] = self._window  # type: ignore[literal-required]
         before = self.cycle
         super().on_headers_complete()
-        if self.cycle is not before and self.cycle is not None:
-            self.scope[_RESPONSE_CYCLE] = self.cycle  # type: ignore[literal-required]
+        cycle = self.cycle
+        if cycle is not before and cycle is not None:
+            self.scope[_RESPONSE_CYCLE] = cycle  # type: ignore[literal-required]
+            # The cycle calls only write, close and is_closing on its transport.
+            cycle.transport = HeldHead(cycle, self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -6,15 +6,17 @@ small limits, so that a limit is reached in well under a second.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any, cast
 
 import httpx
 import orjson
 import pytest
 
-from rankgate.app.connections import ChunkWriter, ConnectionLimits
+from rankgate.app.connections import ChunkWriter, ConnectionLimits, HeldHead
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
@@ -436,3 +438,83 @@ def test_the_chunk_writer_leaves_to_send_what_send_must_handle(state: str, value
     setattr(cycle.flow if state == "write_paused" else cycle, state, value)
     assert not writer.write(b"data: 2\n\n")
     assert cycle.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
+
+
+def test_pipelined_answers_arrive_whole_and_in_order(gateway: str, engine: ScriptedEngine) -> None:
+    """Each answer's head is held for its body (``HeldHead``): answers to requests sent back to
+    back on one connection still arrive each whole, in the order asked."""
+    engine.outputs = ["first answer", "second answer"]
+    bodies = [orjson.dumps({**orjson.loads(BODY), "n": n}) for n in (1, 2)]
+    answers: list[tuple[int, bytes]] = []
+    try:
+        with socket.create_connection(address(gateway)) as sock:
+            sock.settimeout(10)
+            sock.sendall(b"".join(head(length=len(body)) + body for body in bodies))
+            data = b""
+            while len(answers) < 2:
+                header, gap, rest = data.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in header.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    None,
+                )
+                if gap and length is not None and len(rest) >= length:
+                    answers.append((int(header.split(b" ", 2)[1]), rest[:length]))
+                    data = rest[length:]
+                    continue
+                chunk = sock.recv(65536)
+                assert chunk, data
+                data += chunk
+    finally:
+        engine.outputs = ["Hello there."]
+    assert [status for status, _ in answers] == [200, 200]
+    contents = [
+        [choice["message"]["content"] for choice in orjson.loads(body)["choices"]]
+        for _, body in answers
+    ]
+    assert contents == [["first answer"], ["first answer", "second answer"]]
+
+
+class _ClosingTransport(_Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closing = False
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+
+async def test_a_head_leaves_with_what_follows_it_in_its_tick_or_alone_at_the_tick_end() -> None:
+    """What a cycle writes after its head in the same tick joins it in one write; a head with
+    nothing after it goes out when the tick ends; close() writes it first; a transport that
+    is closing gets nothing; and each cycle then writes to its transport directly."""
+    loop = asyncio.get_running_loop()
+    cycles: list[Any] = [_Cycle() for _ in range(4)]
+    raws = [_ClosingTransport() for _ in cycles]
+    for cycle, raw in zip(cycles, raws, strict=True):
+        cycle.transport = HeldHead(cycle, cast(Any, raw), loop)
+    (whole, stream, closed, gone), (whole_raw, stream_raw, closed_raw, gone_raw) = cycles, raws
+
+    whole.transport.write(b"head")
+    whole.transport.write(b"body")
+    assert whole_raw.written == [b"headbody"]
+    assert whole.transport is whole_raw
+
+    stream.transport.write(b"head")
+    assert stream_raw.written == []
+    closed.transport.write(b"head")
+    closed.transport.close()
+    assert closed_raw.written == [b"head"]
+    assert closed_raw.closing
+    gone.transport.write(b"head")
+    gone_raw.closing = True
+    await asyncio.sleep(0)
+    assert stream_raw.written == [b"head"]
+    assert stream.transport is stream_raw
+    assert gone_raw.written == []
