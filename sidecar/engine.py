@@ -137,23 +137,20 @@ class Sidecar:
             accept = streams.accept_reply if unary else streams.accept
             stream = streams.opened[0]
             call = stream.call
-            sink: DeltaSink | None = None
             while True:
                 try:
                     response = await (call.reply() if unary else anext(call))
                 except BaseException as error:
+                    # A relaunch comes only before the first delta, so before any sink.
                     stream = streams.failed(stream, error)
                     call = stream.call
-                    if sink is not None:
-                        call.push = streams.pusher(stream, sink)
                     continue
                 delta = accept(stream, response)
                 if delta is not None:
-                    sent = yield delta
+                    sink = yield delta
                     if stream.done:
                         return
-                    if sent is not None and not unary:
-                        sink = sent
+                    if sink is not None and not unary:
                         call.push = streams.pusher(stream, sink)
         finally:
             streams.drop()

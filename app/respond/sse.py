@@ -241,24 +241,22 @@ async def _send_encoded(events: DeltaEvents, send: Send, writer: ChunkWriter | N
     except Exception as exc:
         return await _send_error(exc, send, encoder)
     direct = None
-    # The stream's asend(), to send it the sink through once a chunk has gone through send
-    # and a step has started the stream (asend() into one not started yet is an error).
-    install = None
-    sink_sent = writer is None
+    # The stream's asend(), to hand it the sink once a chunk has gone through send and a step
+    # of this loop has started the stream (asend() into one not started yet is an error).
+    install = None if writer is None else getattr(rest, "asend", None)
+    stepped = False
     while True:
         if out and (direct is None or not direct(out)):
             await send({"type": "http.response.body", "body": out, "more_body": True})
             if writer is not None:
                 direct = writer.write
         try:
-            if install is not None and writer is not None and direct is not None:
+            if install is not None and stepped and writer is not None and direct is not None:
                 delta = await install(_DirectSink(writer, chunk, note))
                 install = None
             else:
                 delta = await step()
-                if not sink_sent:
-                    install = getattr(rest, "asend", None)
-                    sink_sent = True
+                stepped = True
             if note is not None:
                 note(delta)
             out = chunk(delta)
