@@ -60,6 +60,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                 str(port),
                 "--policy",
                 "kv",
+                # What is checked is the index both workers share. The share term would rightly
+                # spread the follow-ups' hot prefix once enough of them reach one rank, which on
+                # a slow host happens before both workers have been seen serving.
+                "--route-share-weight",
+                "0",
                 "--log-format",
                 "json",
                 "--access-log",
