@@ -37,9 +37,13 @@ from rankgate.app.connections import (
     PEER_WINDOW,
     DisconnectNotice,
     PeerWindow,
+    WholeAnswer,
 )
 
 log = logging.getLogger(__name__)
+
+# The scope key of the watched cycle that may write a whole answer itself (see ``answer``).
+WHOLE_ANSWER = "rankgate.whole_answer"
 
 
 class _Cycle:
@@ -61,6 +65,7 @@ class _Cycle:
         "task",
         "tracked",
         "watcher",
+        "whole",
         "widest",
         "window",
     )
@@ -73,8 +78,10 @@ class _Cycle:
         send: Send,
         notice: DisconnectNotice | None,
         window: PeerWindow | None = None,
+        whole: WholeAnswer | None = None,
     ) -> None:
         self.owner = owner
+        self.whole = whole
         self.task = task
         self._receive = receive
         self._send = send
@@ -124,6 +131,15 @@ class _Cycle:
         self.since = monotonic()
         await self._send(message)
         self.since = 0.0
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Write a whole answer in one write, as :meth:`send` would in two messages; False
+        when it must go through :meth:`send` (see :class:`~app.connections.WholeAnswer`)."""
+        whole = self.whole
+        if whole is None or not whole.write(status, headers, body):
+            return False
+        self.complete = True
+        return True
 
     async def _watch(self) -> None:
         message = await self._receive()
@@ -186,9 +202,18 @@ class ClientWatch:
             return
         task = asyncio.current_task()
         assert task is not None
+        whole = WholeAnswer.of(scope, send)
         cycle = _Cycle(
-            self, task, receive, send, scope.get(DISCONNECT_NOTICE), scope.get(PEER_WINDOW)
+            self,
+            task,
+            receive,
+            send,
+            scope.get(DISCONNECT_NOTICE),
+            scope.get(PEER_WINDOW),
+            whole,
         )
+        if whole is not None:
+            scope[WHOLE_ANSWER] = cycle
         try:
             await self.app(scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:

@@ -38,13 +38,19 @@ import asyncio
 import logging
 import socket
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from rankgate.app.errors import ApiError
 
@@ -213,6 +219,89 @@ class ChunkWriter:
         self._cycle.transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
 
 
+class WholeAnswer:
+    """Writes a whole response, head and body, in one write past the ASGI ``send``.
+
+    A JSON answer sent through ``send`` is two messages, each resuming a coroutine per
+    middleware layer and uvicorn's own, whose head is then checked, lowered and framed header
+    by header. When nothing between the app and uvicorn listens to ``send`` (:meth:`of` is
+    given the ``send`` the caller holds, and answers None unless it is uvicorn's own), the
+    same bytes can be written at once, and the cycle's state left as ``send`` leaves it. A
+    response this cannot frame the same way (a header ``send`` would refuse or that changes
+    the framing, a length that does not match, a paused or closed socket) is left to ``send``.
+    """
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    @classmethod
+    def of(cls, scope: Mapping[str, Any], send: Any) -> WholeAnswer | None:
+        cycle = scope.get(_RESPONSE_CYCLE)
+        if cycle is None or send != cycle.send:
+            return None
+        return cls(cycle)
+
+    def write(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Write the response; False (nothing written) when ``send`` must do it instead."""
+        cycle = self._cycle
+        scope = cycle.scope
+        if (
+            cycle.response_started
+            or cycle.disconnected
+            or cycle.flow.write_paused
+            or scope["method"] == "HEAD"
+        ):
+            return False
+        content = [STATUS_LINE[status]]
+        length = -1
+        for name, value in (*cycle.default_headers, *headers):
+            if name == b"content-length":
+                if not value.isdigit():
+                    return False
+                length = int(value)
+            elif name in _FRAMING or name != name.lower():
+                return False
+            content += (name, b": ", value, b"\r\n")
+        if length != len(body):
+            return False
+        if HEADER_RE.search(b"".join(content[1::4])) or HEADER_VALUE_RE.search(
+            b"".join(content[3::4])
+        ):
+            return False
+        if not cycle.keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"\r\n", body)
+        transport = cycle.transport
+        if isinstance(transport, HeldHead):
+            transport = transport.detach()
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = False
+        cycle.expected_content_length = 0
+        if cycle.access_log:
+            cycle.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(scope),
+                scope["method"],
+                get_path_with_query_string(scope),
+                scope["http_version"],
+                status,
+            )
+        transport.write(b"".join(content))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            transport.close()
+        cycle.on_response()
+        return True
+
+
+# Headers that change how a response is framed or whether its connection stays open.
+_FRAMING = frozenset({b"connection", b"transfer-encoding"})
+
+
 class HeldHead:
     """A response cycle's transport until the cycle's first write has gone out.
 
@@ -240,6 +329,11 @@ class HeldHead:
             return
         self._release()
         self._transport.write(held + data)
+
+    def detach(self) -> asyncio.Transport:
+        """The transport itself, handed back to the cycle, before anything was written."""
+        self._release()
+        return self._transport
 
     def _release(self) -> None:
         self._held = None
@@ -519,7 +613,8 @@ def uvicorn_config(app: Any, limits: ConnectionLimits, **options: Any) -> uvicor
 
     uvicorn's proxy-headers middleware is off: it rewrites a request's client address and
     scheme from ``X-Forwarded-*``, and the gateway reads neither, so it was a scan of every
-    request's headers for nothing. Nor does a response say ``server: uvicorn``."""
+    request's headers for nothing. Nor does a response say ``server: uvicorn``, nor does
+    uvicorn log each request: the gateway logs its own line (:mod:`app.access_log`)."""
     return uvicorn.Config(
         app,
         loop="uvloop",
@@ -527,5 +622,5 @@ def uvicorn_config(app: Any, limits: ConnectionLimits, **options: Any) -> uvicor
         timeout_keep_alive=limits.keepalive_timeout,
         proxy_headers=False,
         server_header=False,
-        **options,
+        **{"access_log": False, **options},
     )

@@ -19,9 +19,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rankgate.app.clients import WHOLE_ANSWER
 from rankgate.app.errors import as_api_error
+from rankgate.app.respond.document import JsonDocument
 
 Handler = Callable[[Request], Awaitable[Response]]
+# Responses whose body is whole when the handler returns: written in one write when the
+# client watch can (``app.clients.WHOLE_ANSWER``), else sent as two ASGI messages.
+_WHOLE = frozenset({Response, JsonDocument})
 
 
 class AppState(State):
@@ -116,6 +121,15 @@ class FastPath:
                     response = await handler(request)
                 except Exception as exc:
                     response = as_api_error(exc).response()
+                watched = scope.get(WHOLE_ANSWER)
+                if (
+                    watched is not None
+                    and send == watched.send
+                    and type(response) in _WHOLE
+                    and response.background is None
+                    and watched.answer(response.status_code, response.raw_headers, response.body)
+                ):
+                    return
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

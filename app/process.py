@@ -30,8 +30,6 @@ def serve_worker(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        # The access log is app.access_log's structured line, not uvicorn's.
-        access_log=False,
         log_config=None,
         lifespan="on",
         timeout_graceful_shutdown=int(settings.shutdown_grace + BACKSTOP_S),

@@ -153,6 +153,21 @@ def test_cors_when_configured_answers_preflight_without_a_key(
     assert other.headers.get("access-control-allow-origin") != "https://evil.example"
 
 
+def test_cors_headers_reach_a_whole_generation_answer(locked_metrics: httpx.Client) -> None:
+    """The CORS layer adds its headers to a chat answer, which the gateway otherwise writes
+    past ``send`` in one write (``app.connections.WholeAnswer``); without an Origin the same
+    answer comes whole, without them."""
+    body = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for origin in (ORIGIN, None):
+        headers = bearer(KEYS[0]) | ({"Origin": origin} if origin else {})
+        answer = locked_metrics.post("/v1/chat/completions", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+        assert answer.headers.get("access-control-allow-origin") == origin
+        if origin:
+            assert "x-request-id" in answer.headers["access-control-expose-headers"]
+
+
 def test_keys_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text("# team keys\nsk-file-1\n\nsk-file-2  # rotated 2026-11\nsk-flag\n")

@@ -7,6 +7,7 @@ small limits, so that a limit is reached in well under a second.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -15,8 +16,10 @@ from typing import Any, cast
 import httpx
 import orjson
 import pytest
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from rankgate.app.connections import ChunkWriter, ConnectionLimits, HeldHead
+from rankgate.app.connections import ChunkWriter, ConnectionLimits, HeldHead, WholeAnswer
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
@@ -518,3 +521,151 @@ async def test_a_head_leaves_with_what_follows_it_in_its_tick_or_alone_at_the_ti
     assert stream_raw.written == [b"head"]
     assert stream.transport is stream_raw
     assert gone_raw.written == []
+
+
+def _uvicorn_cycle(
+    loop: asyncio.AbstractEventLoop,
+    *,
+    keep_alive: bool = True,
+    method: str = "POST",
+    access_log: bool = False,
+) -> tuple[RequestResponseCycle, _ClosingTransport, list[str]]:
+    """uvicorn's own response cycle on a recording transport, held as the gateway holds it."""
+    raw = _ClosingTransport()
+    responded: list[str] = []
+    logger = logging.getLogger("test.cycle")
+    cycle = RequestResponseCycle(
+        scope=cast(
+            Any,
+            {
+                "method": method,
+                "type": "http",
+                "path": "/v1/chat/completions",
+                "raw_path": b"/v1/chat/completions",
+                "query_string": b"",
+                "http_version": "1.1",
+                "client": ("127.0.0.1", 5000),
+            },
+        ),
+        transport=cast(Any, raw),
+        flow=FlowControl(cast(Any, raw)),
+        logger=logger,
+        access_logger=logger,
+        access_log=access_log,
+        default_headers=[(b"date", b"Sun, 06 Dec 2026 07:00:00 GMT")],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: responded.append("done"),
+    )
+    cycle.transport = cast(Any, HeldHead(cycle, cast(Any, raw), loop))
+    return cycle, raw, responded
+
+
+_ANSWER = b'{"id":"chatcmpl-1"}'
+_HEADERS = [
+    (b"content-length", b"%d" % len(_ANSWER)),
+    (b"content-type", b"application/json"),
+    (b"x-request-id", b"req-1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("keep_alive", "access_log"), [(True, False), (False, False), (True, True)]
+)
+async def test_a_whole_answer_is_the_bytes_send_writes_in_one_write(
+    keep_alive: bool, access_log: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written past ``send``, an answer is byte for byte what uvicorn's ``send`` writes for its
+    two messages, in one write, and the cycle ends as ``send`` leaves it: complete, its
+    request event set, the protocol told, a connection that is not kept alive closed, the
+    same access-log line where uvicorn logs one."""
+    loop = asyncio.get_running_loop()
+    caplog.set_level(logging.INFO, logger="test.cycle")
+    through_send, sent_raw, sent_done = _uvicorn_cycle(
+        loop, keep_alive=keep_alive, access_log=access_log
+    )
+    await through_send.send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+    await through_send.send({"type": "http.response.body", "body": _ANSWER})
+    logged = [record.getMessage() for record in caplog.records]
+    assert len(logged) == access_log
+
+    direct, raw, done = _uvicorn_cycle(loop, keep_alive=keep_alive, access_log=access_log)
+    whole = WholeAnswer.of({"rankgate.response_cycle": direct}, direct.send)
+    assert whole is not None
+    assert whole.write(200, _HEADERS, _ANSWER)
+    assert raw.written == [b"".join(sent_raw.written)]
+    assert raw.written[0].endswith(b"\r\n\r\n" + _ANSWER)
+    assert (b"connection: close" in raw.written[0]) is not keep_alive
+    assert direct.transport is cast(Any, raw)
+    for cycle in (through_send, direct):
+        assert cycle.response_started
+        assert cycle.response_complete
+        assert cycle.message_event.is_set()
+    assert done == sent_done == ["done"]
+    assert raw.closing == sent_raw.closing == (not keep_alive)
+    await asyncio.sleep(0)
+    assert len(raw.written) == 1
+    assert [record.getMessage() for record in caplog.records] == logged * 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wrapped send",
+        "started",
+        "disconnected",
+        "write paused",
+        "HEAD",
+        "length differs",
+        "no length",
+        "transfer-encoding",
+        "connection",
+        "upper-case name",
+        "newline in a value",
+        "space in a name",
+    ],
+)
+async def test_a_whole_answer_leaves_to_send_what_send_must_handle(case: str) -> None:
+    """A ``send`` some middleware wraps, a response already started, a client gone, a full
+    socket, a HEAD request, and any header ``send`` would refuse, lower or frame by: nothing
+    is written, so the response goes through ``send`` as it always did."""
+    loop = asyncio.get_running_loop()
+    cycle, raw, done = _uvicorn_cycle(loop, method="HEAD" if case == "HEAD" else "POST")
+    headers = list(_HEADERS)
+    scope = {"rankgate.response_cycle": cycle}
+
+    async def wrapped(message: Any) -> None:
+        await cycle.send(message)
+
+    if case == "wrapped send":
+        assert WholeAnswer.of(scope, wrapped) is None
+        return
+    assert WholeAnswer.of({}, cycle.send) is None
+    if case == "started":
+        cycle.response_started = True
+    elif case == "disconnected":
+        cycle.disconnected = True
+    elif case == "write paused":
+        cycle.flow.write_paused = True
+    elif case == "length differs":
+        headers[0] = (b"content-length", b"%d" % (len(_ANSWER) + 1))
+    elif case == "no length":
+        del headers[0]
+    elif case == "transfer-encoding":
+        headers.append((b"transfer-encoding", b"chunked"))
+    elif case == "connection":
+        headers.append((b"connection", b"close"))
+    elif case == "upper-case name":
+        headers.append((b"X-Rank", b"1"))
+    elif case == "newline in a value":
+        headers.append((b"x-request-id", b"a\r\nset-cookie: b"))
+    elif case == "space in a name":
+        headers.append((b"x rank", b"1"))
+    whole = WholeAnswer.of(scope, cycle.send)
+    assert whole is not None
+    assert not whole.write(200, headers, _ANSWER)
+    await asyncio.sleep(0)
+    assert raw.written == []
+    assert not cycle.response_complete
+    assert done == []
