@@ -176,15 +176,16 @@ def launch(
     name: str,
     env: dict[str, str] | None = None,
     cpus: str | None = None,
+    cwd: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` as a child of the bench; ``cpus`` (a taskset list) pins it and every
-    thread and process it starts."""
+    """Start ``argv`` as a child of the bench, in ``cwd``; ``cpus`` (a taskset list) pins it
+    and every thread and process it starts."""
     log_path = Path(f"/tmp/rankgate-peers-{name}.log")
     log = log_path.open("wb")
     if cpus is not None:
         argv = ["taskset", "-c", cpus, *argv]
     proc = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+        argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})}
     )
 
     def stop() -> None:
@@ -329,14 +330,18 @@ def start_rankgate(
     extra: Sequence[str] = (),
     cpus: str | None = None,
     poll: float = 0.25,
+    tree: Path | None = None,
 ) -> Gateway:
+    """``tree``: a source tree to serve from instead of this one (``python -m`` puts its
+    working directory first on the path, so the tree is where it runs)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "rankgate.app.cli", "serve", "--engine", engine.target,
         "--port", str(port), "--tokenizer", str(engine.model_dir), "--policy", policy,
         "--log-level", "warning", *extra,
     ]  # fmt: skip
-    proc = launch(stack, argv, f"rankgate-{policy}", cpus=cpus)
+    env = None if tree is None else {"PYTHONPATH": str(tree)}
+    proc = launch(stack, argv, f"rankgate-{policy}", env, cpus, tree or ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url, [proc], "/ready", poll=poll)
     return Gateway(f"rankgate --policy {policy}", url, [proc.pid])
