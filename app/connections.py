@@ -331,7 +331,9 @@ class HeldHead:
         self._transport.write(held + data)
 
     def detach(self) -> asyncio.Transport:
-        """The transport itself, handed back to the cycle, before anything was written."""
+        """The transport itself, handed back to the cycle, after anything held (a ``100
+        Continue``) is written."""
+        self._flush()
         self._release()
         return self._transport
 

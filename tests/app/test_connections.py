@@ -669,3 +669,35 @@ async def test_a_whole_answer_leaves_to_send_what_send_must_handle(case: str) ->
     assert raw.written == []
     assert not cycle.response_complete
     assert done == []
+
+
+async def test_a_whole_answer_follows_what_its_transport_still_holds() -> None:
+    """A ``100 Continue`` written in the same tick as the answer (still held for what follows
+    it) goes out first, then the answer."""
+    cycle, raw, _ = _uvicorn_cycle(asyncio.get_running_loop())
+    cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    whole = WholeAnswer.of({"rankgate.response_cycle": cycle}, cycle.send)
+    assert whole is not None
+    assert whole.write(200, _HEADERS, _ANSWER)
+    assert raw.written[0] == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert raw.written[1].endswith(_ANSWER)
+    await asyncio.sleep(0)
+    assert len(raw.written) == 2
+
+
+def test_an_expecting_client_refused_at_once_gets_the_interim_answer_first(gateway: str) -> None:
+    """A client that sends ``Expect: 100-continue`` with an invalid body in one packet gets
+    ``100 Continue`` (written as its body is read) and then the 400, whole, in that order."""
+    body = b'{"model": '
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head(b"expect: 100-continue", length=len(body)) + body)
+        sock.settimeout(10)
+        data = b""
+        while b'"error"' not in data or not data.endswith(b"}}"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+    interim, _, final = data.partition(b"\r\n\r\n")
+    assert interim == b"HTTP/1.1 100 Continue"
+    assert final.startswith(b"HTTP/1.1 400 ")
+    assert error_code(final.partition(b"\r\n\r\n")[2]) == "invalid_json"
