@@ -69,7 +69,7 @@ def puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_the_middle_of_a_stream_is_written_from_the_engine_callback_as_the_task_would(
     path: str, body: dict[str, Any], puts: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with mock_engine(speed=0.05) as handle, gateway(handle) as gw:
+    with mock_engine(speed=0.5) as handle, gateway(handle) as gw:
         direct = stream(gw.http, body, path)
         taken = sum(puts)
         with monkeypatch.context() as off:
@@ -100,7 +100,7 @@ def test_an_encoder_failure_inside_the_engine_callback_ends_the_stream_as_in_the
         return encode(self, delta)
 
     body = chat("fail", max_tokens=40, temperature=0.0, ignore_eos=True)
-    with mock_engine(speed=0.05) as handle, gateway(handle) as gw:
+    with mock_engine(speed=0.5) as handle, gateway(handle) as gw:
         monkeypatch.setattr(_ChatChunks, "chunk", failing)
         direct = stream(gw.http, body)
         failed_in_sink = len(puts)

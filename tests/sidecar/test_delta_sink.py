@@ -49,7 +49,7 @@ async def _read(sidecar: Any, sink: Sink, request_id: str) -> list[Delta]:
 
 
 async def test_middle_deltas_go_to_a_ready_sink_and_every_delta_arrives_once_in_order() -> None:
-    with mock_engine(speed=0.05) as handle:
+    with mock_engine(speed=0.5) as handle:
         async with sidecar_on(handle) as sidecar:
             ready = Sink()
             pushed = await _read(sidecar, ready, "ready")
@@ -71,7 +71,7 @@ async def test_middle_deltas_go_to_a_ready_sink_and_every_delta_arrives_once_in_
 
 
 async def test_a_sink_that_fails_ends_the_stream_with_its_failure_and_the_engine_call() -> None:
-    with mock_engine(speed=0.05) as handle:
+    with mock_engine(speed=0.5) as handle:
         async with sidecar_on(handle) as sidecar:
             sink = Sink(fail_at=3)
             with pytest.raises(RuntimeError, match="the sink broke"):
