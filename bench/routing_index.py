@@ -70,7 +70,9 @@ async def _ingest(args: argparse.Namespace) -> None:
     shared = _documents(rng, docs_per_rank // 2)
     publishers = [TestPublisher(rank, replay=False) for rank in range(args.ranks)]
     registry = CollectorRegistry()
-    router = build_router(RoutingConfig(pending_ttl=0, regret_keys=args.regret_keys), registry)
+    router = build_router(
+        RoutingConfig(pending_ttl=args.pending_ttl, regret_keys=args.regret_keys), registry
+    )
     assert isinstance(router, KvRouter)
     sources = [KvEventSource(p.rank, p.endpoint, None, p.topic) for p in publishers]
     router.configure(
@@ -305,6 +307,13 @@ def main() -> None:
         type=int,
         default=RoutingConfig().regret_keys,
         help="--route-regret-keys: 0 routes without checking predictions",
+    )
+    parser.add_argument(
+        "--pending-ttl",
+        type=float,
+        default=0.0,
+        help="--route-pending-ttl: seconds routed prompts count as cached before their events "
+        f"(the gateway's default is {RoutingConfig().pending_ttl:g}; 0: the events alone)",
     )
     args = parser.parse_args()
     asyncio.run(_ingest(args))

@@ -10,6 +10,7 @@ The event index has a single writer (the intake thread) and the route path only 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -39,6 +40,11 @@ class PrefixMatch(msgspec.Struct, gc=False):
 
 
 def _record_drops(depths: list[int], dropped: int, depth: int) -> None:
+    """Set ``depth`` for each slot in the mask ``dropped``. Depths start at 0 and each slot is
+    recorded once, so a drop at the first block (most ranks of a wide engine, for most
+    prompts) leaves nothing to write."""
+    if not depth:
+        return
     while dropped:
         low = dropped & -dropped
         depths[low.bit_length() - 1] = depth
@@ -294,6 +300,10 @@ class PredictedIndex:
         self._weights: list[dict[int, int]] = [{} for _ in capacity]
         self._blocks = [0] * len(capacity)
         self._unsettled: list[tuple[int, Sequence[int], float]] = []
+        # No entry expires before this: every read checks it, and only past it walks the
+        # slots. After a walk it is at least ``ttl / 64`` ahead, so a steady stream of expiries
+        # walks the slots 64 times a ``ttl`` at most, each entry living up to that much longer.
+        self._due_at = math.inf
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Per slot, how many leading blocks of ``hashes`` the rank is believed to hold."""
@@ -378,8 +388,14 @@ class PredictedIndex:
     def expire(self) -> None:
         self.settle()
         now = self._clock()
+        if now < self._due_at:
+            return
+        due = math.inf
         for slot in range(self.slots):
-            self._expire_slot(slot, now)
+            head = self._expire_slot(slot, now)
+            if head < due:
+                due = head
+        self._due_at = max(due, now + self.ttl / 64) if due < math.inf else due
 
     def size(self, slot: int) -> int:
         """Blocks the slot's entries stand for."""
@@ -417,17 +433,21 @@ class PredictedIndex:
                 blocks += weight
             entries[key] = expiry
         self._blocks[slot] = blocks
+        if expiry < self._due_at:
+            self._due_at = expiry
         self._expire_slot(slot, now)
 
-    def _expire_slot(self, slot: int, now: float) -> None:
+    def _expire_slot(self, slot: int, now: float) -> float:
+        """Drop the slot's entries expired by ``now``; the expiry of the next, or infinity."""
         entries = self._entries[slot]
         while entries:
             key, expiry = next(iter(entries.items()))
             if expiry > now:
-                return
+                return expiry
             del entries[key]
             self._blocks[slot] -= self._weights[slot].pop(key)
             self._forget(slot, key)
+        return math.inf
 
     def _forget(self, slot: int, key: int) -> None:
         mask = self.masks.get(key, 0) & ~(1 << slot)

@@ -67,6 +67,35 @@ def test_prediction_is_an_lru_with_ttl() -> None:
     assert predicted.size(0) == 0
 
 
+def test_expired_predictions_go_within_a_64th_of_their_ttl() -> None:
+    """Reads walk the slots for expired entries only once one is due, and then not again for
+    a 64th of the ttl: an entry counts until its ttl, and never past ttl * (1 + 1/64)."""
+    now = [0.0]
+    predicted = PredictedIndex([8, 8, 8], ttl=64.0, clock=lambda: now[0], stride=1)
+    predicted.record(0, [1])
+    now[0] = 0.5
+    predicted.record(1, [1])
+    now[0] = 40.0
+    predicted.record(2, [1])
+    now[0] = 63.9
+    assert predicted.match([1]) == [1, 1, 1]
+    now[0] = 64.0
+    assert predicted.match([1]) == [0, 1, 1]
+    now[0] = 65.0
+    assert predicted.match([1]) == [0, 0, 1]
+    assert predicted.size(1) == 0
+    now[0] = 103.9
+    assert predicted.match([1]) == [0, 0, 1]
+    now[0] = 104.0
+    assert predicted.match([1]) == [0, 0, 0]
+    assert predicted.masks == {}
+    predicted.record(0, [2])
+    now[0] = 167.9
+    assert predicted.match([2]) == [1, 0, 0]
+    now[0] = 168.0
+    assert predicted.match([2]) == [0, 0, 0]
+
+
 def test_a_prompt_longer_than_a_rank_keeps_its_last_keys_and_others_theirs() -> None:
     predicted = PredictedIndex([3, 3], ttl=10.0, clock=lambda: 0.0, stride=1)
     predicted.record(1, [1, 2])

@@ -319,14 +319,21 @@ class KvRouter(RankedRouter):
             return [min(depth * block, limit) for depth in found.device]
         predicted = self.predicted.match(hashes) if self.predicted is not None else [0] * slots
         if found is None:
-            blocks = [float(depth) for depth in predicted]
+            depths = predicted
+        elif found.any_tier is found.device:
+            depths = [
+                dev if dev >= pred else pred
+                for dev, pred in zip(found.device, predicted, strict=True)
+            ]
         else:
             weight = self.config.offloaded_hit_weight
             blocks = [
                 max(dev, pred) + weight * max(0, tier - max(dev, pred))
                 for dev, tier, pred in zip(found.device, found.any_tier, predicted, strict=True)
             ]
-        return [min(int(b * block), limit) for b in blocks]
+            return [min(int(b * block), limit) for b in blocks]
+        most = limit // block
+        return [(depth if depth < most else most) * block for depth in depths]
 
     def _price_copies(self, costs: list[float], cached: list[int], prompt_tokens: int) -> None:
         """Charge each rank for the tokens another rank holds that it would compute again by
