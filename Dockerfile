@@ -18,8 +18,11 @@
 # directory and starts the gateway from the result; keep the commands plain shell.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The same Python with a C compiler: the build stage compiles the route decision's modules with
+# mypyc (setup.py), a third less CPU a decision. The runtime stage takes only the result.
+ARG BUILD_IMAGE=python:3.11-bookworm
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
@@ -32,9 +35,14 @@ COPY app ./app
 COPY sidecar ./sidecar
 COPY multimodal ./multimodal
 COPY mocker ./mocker
-# Bytecode is compiled here: the runtime user cannot write it next to the sources.
-RUN /opt/rankgate/bin/python -m pip install . \
- && /opt/rankgate/bin/python -m pip uninstall --yes pip \
+COPY setup.py ./
+# Bytecode is compiled here: the runtime user cannot write it next to the sources. mypy builds
+# the compiled router and leaves with pip; the check fails the build if the router is pure.
+RUN /opt/rankgate/bin/python -m pip install . "mypy==2.4.0" "setuptools==84.0.0" \
+ && RANKGATE_COMPILE=1 /opt/rankgate/bin/python -m pip install --no-build-isolation --no-deps \
+      --force-reinstall . \
+ && /opt/rankgate/bin/python -m pip uninstall --yes mypy setuptools pip \
+ && /opt/rankgate/bin/python -I -c "import rankgate.sidecar.routing.policies.kv as kv; assert kv.__file__.endswith('.so'), kv.__file__" \
  && /opt/rankgate/bin/rankgate --version
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -255,6 +255,44 @@ def test_image_user_matches_the_useradd(image: BuiltImage) -> None:
     assert f"--gid {gid}" in commands
 
 
+def test_the_build_stage_compiles_for_the_runtime_python() -> None:
+    """The compiled modules and the environment's interpreter link come from the build stage's
+    Python; the runtime stage must run the same minor version, from the same distribution."""
+    dockerfile = parse(DOCKERFILE)
+    build_tag = dockerfile.stage("build").base.partition(":")[2]
+    runtime_tag = dockerfile.stage("runtime").base.partition(":")[2]
+    version = re.compile(r"(\d+\.\d+)-(?:slim-)?(\w+)$")
+    built, runs = version.match(build_tag), version.match(runtime_tag)
+    assert built, build_tag
+    assert runs, runtime_tag
+    assert built.groups() == runs.groups(), (build_tag, runtime_tag)
+
+
+def test_the_image_routes_with_the_compiled_router(image: BuiltImage) -> None:
+    """The build stage compiles the route decision's modules (setup.py's list); the runtime
+    imports them compiled, and nothing it needs went with the build tools."""
+    site = Path(image.path("/opt/rankgate")).glob("lib/python*/site-packages")
+    packages = next(site)
+    compiled = {
+        str(path.relative_to(packages)).split(".")[0]
+        for path in (packages / "rankgate" / "sidecar" / "routing").rglob("*.so")
+    }
+    assert "rankgate/sidecar/routing/policies/kv" in compiled, compiled
+    assert "rankgate/sidecar/routing/index" in compiled, compiled
+    assert not list(packages.glob("mypy/")), "mypy left in the image"
+    python = image.path("/opt/rankgate/bin/python")
+    probe = subprocess.run(
+        [python, "-c", "import rankgate.sidecar.routing.policies.kv as m; print(m.__file__)"],
+        env=_runtime_env(image, {}),
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip().endswith(".so"), probe.stdout
+
+
 def test_gateway_from_the_image_serves_the_mock_engine(
     image: BuiltImage, mock: MockEngineHandle
 ) -> None:
