@@ -176,6 +176,13 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         "prompt block keys watched at once to check predictions against KV events (0: off)",
     ),
     _tunable(
+        "--route-regret-interval",
+        "regret_interval",
+        float,
+        "seconds between two requests whose prediction is checked on one rank; the others "
+        "in between go unmeasured (0: every request)",
+    ),
+    _tunable(
         "--route-trust-strikes",
         "trust_strikes",
         int,

@@ -6,18 +6,23 @@ each tree in turn (``rankgate serve`` started in that tree, in front of one mock
 DP=2, KV events on), the order flipping every round, and prints for each run the CPU per
 request, split into user and system time and by thread, and the page faults per request;
 then each tree's median. ``router`` in place of a tree runs vllm-router ``kv_aware`` at the
-same rate, for scale.
+same rate, for scale, and ``floor`` a bare ASGI app under the gateway's own HTTP server
+(:mod:`http_floor`), what a request costs before the gateway does anything. ``TREE+ARGS``
+serves ``TREE`` with extra ``rankgate serve`` arguments, comma-separated
+(``.+--policy,round_robin``): one feature switched off against the same tree.
 
 Make the trees with ``git worktree add /tmp/before REV`` (and a compiled one with
 ``RANKGATE_COMPILE=1 python setup.py build_ext --inplace`` inside it)::
 
     scripts/in-netns .venv/bin/python bench/tree_ab.py --rate 1500 --rounds 3 . /tmp/before
+    scripts/in-netns .venv/bin/python bench/tree_ab.py floor . .+--route-regret-keys,0 router
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -27,6 +32,8 @@ import equal_load
 import llama_tokenizer
 import peers
 from peers_overhead import body
+
+from tests.support.ports import free_port
 
 TICKS = peers.TICKS
 
@@ -95,9 +102,33 @@ def measure(gateway: peers.Gateway, request: dict[str, object], args: argparse.N
     )
 
 
+def start(stack: ExitStack, engine: peers.Engine, spec: str, cpus: str) -> peers.Gateway:
+    """The gateway ``spec`` names: ``router``, ``floor``, a tree, or ``TREE+ARGS``."""
+    if spec == "router":
+        return peers.start_vllm_router(stack, engine, "kv_aware", cpus)
+    if spec == "floor":
+        port = free_port()
+        argv = [sys.executable, str(Path(__file__).with_name("http_floor.py")), str(port)]
+        proc = peers.launch(stack, argv, "http-floor", cpus=cpus)
+        url = f"http://127.0.0.1:{port}"
+        peers.wait_http(url, [proc], "/ready")
+        return peers.Gateway("http floor", url, [proc.pid])
+    tree, _, extra = spec.partition("+")
+    return peers.start_rankgate(
+        stack,
+        engine,
+        "kv",
+        extra.split(",") if extra else (),
+        cpus=cpus,
+        tree=Path(tree).resolve(),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trees", nargs="+", help="source trees, or 'router'")
+    parser.add_argument(
+        "trees", nargs="+", help="source trees (TREE+ARG,ARG adds serve arguments), router, floor"
+    )
     parser.add_argument("--rate", type=float, default=1500.0, help="requests a second")
     parser.add_argument("--seconds", type=float, default=8.0, help="per run")
     parser.add_argument("--rounds", type=int, default=3)
@@ -119,12 +150,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for tree in args.trees if round_ % 2 == 0 else args.trees[::-1]:
                 with ExitStack() as own:
-                    if tree == "router":
-                        gateway = peers.start_vllm_router(own, engine, "kv_aware", args.gateway_cpu)
-                    else:
-                        gateway = peers.start_rankgate(
-                            own, engine, "kv", cpus=args.gateway_cpu, tree=Path(tree).resolve()
-                        )
+                    gateway = start(own, engine, tree, args.gateway_cpu)
                     gateway.settle()
                     measure(gateway, request, args)  # warm-up
                     run = measure(gateway, request, args)

@@ -68,10 +68,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     # matched on none of their blocks.
     image_token_id: int | None = None
     # Checking predictions against the KV events (:mod:`sidecar.routing.regret`): seconds a
-    # finished prefill's events are awaited, block keys watched at once (0: off), and untrue
-    # predictions in a row before a rank is routed by load alone (true ones to trust it again).
+    # finished prefill's events are awaited, block keys watched at once (0: off), seconds
+    # between two requests measured on one rank (0: every request), and untrue predictions in
+    # a row before a rank is routed by load alone (true ones to trust it again).
     regret_settle: float = 1.0
     regret_keys: int = 262_144
+    regret_interval: float = 0.01
     trust_strikes: int = 3
     # A file the KV index is saved to when the gateway stops and loaded from when it starts
     # beside the same engine, if younger than ``index_max_age`` seconds (None: not saved).
@@ -122,6 +124,8 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("regret_settle must be positive")
         if self.regret_keys < 0:
             raise ValueError("regret_keys must be >= 0")
+        if not 0 <= self.regret_interval <= 60:
+            raise ValueError("regret_interval must be between 0 and 60 seconds")
         if self.trust_strikes < 1:
             raise ValueError("trust_strikes must be at least 1")
         if self.index_max_age <= 0:

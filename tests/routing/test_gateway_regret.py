@@ -80,6 +80,8 @@ def rig() -> Iterator[Rig]:
             "--startup-timeout", "30",
             "--route-regret-settle", "0.2",
             "--route-trust-strikes", str(STRIKES),
+            # A request a millisecond per rank: one after another, nearly all are measured.
+            "--route-regret-interval", "0.001",
         ]  # fmt: skip
         settings = settings_from_args(build_parser().parse_args(argv))
         with (
@@ -99,13 +101,23 @@ def test_on_a_consistent_engine_every_prediction_comes_true(rig: Rig) -> None:
             "rankgate_routing_realised_hit_tokens_total",
         )
     }
-    # Conversations of growing turns: each turn's history is cached where the last went.
-    for n in range(6):
+    hits = "rankgate_routing_predicted_hit_tokens_total"
+
+    def conversation(n: int) -> bool:
+        # Turns of growing history, each cached where the last went. The meter measures the
+        # first request a rank gets in each interval, so a turn may go unmeasured, and a
+        # measured one find the blocks of an unmeasured one still to be announced.
         history = fresh()
         for turn in range(3):
             history += f" Turn {turn} of conversation {n} adds a few more words to it."
             rig.chat(history)
-    rig.until(lambda: rig.metric(measured) >= before[measured] + 18, 0, "never measured")
+        return rig.metric(measured) >= before[measured] + 18 and rig.metric(hits) > before[hits]
+
+    deadline = time.monotonic() + 30
+    n = 0
+    while not conversation(n):
+        assert time.monotonic() < deadline, "no turn with a predicted hit was measured"
+        n += 1
     predicted = rig.metric("rankgate_routing_predicted_hit_tokens_total")
     realised = rig.metric("rankgate_routing_realised_hit_tokens_total")
     assert predicted - before["rankgate_routing_predicted_hit_tokens_total"] > 0

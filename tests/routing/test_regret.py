@@ -26,7 +26,7 @@ SETTLE = 1.0
 
 
 class Clocked:
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.0) -> None:
         self.now = 0.0
         self.registry = CollectorRegistry()
         self.meter = RegretMeter(
@@ -38,6 +38,7 @@ class Clocked:
             max_keys=64,
             strikes=STRIKES,
             clock=lambda: self.now,
+            interval=interval,
         )
 
     def request(
@@ -131,6 +132,37 @@ def test_keys_still_hashing_count_whole_against_the_bound_and_are_all_freed() ->
         watch = m.meter.watch(0, list(range(200, 260)), 0, 60)
         assert watch is not None
         m.meter.dropped(watch)
+
+
+def test_a_busy_rank_is_measured_once_an_interval_and_each_rank_apart() -> None:
+    m = Clocked(interval=0.01)
+    assert m.meter.due(0)
+    m.now = 0.005
+    assert not m.meter.due(0)
+    assert m.meter.due(1)
+    assert not m.meter.due(1)
+    m.now = 0.01
+    assert m.meter.due(0)
+    assert not m.meter.due(0)
+    assert Clocked().meter.due(0)
+    assert Clocked().meter.due(0)
+
+
+def test_blocks_an_unmeasured_earlier_request_computes_are_its_own() -> None:
+    """The rank was believed to hold blocks 3 and 4 only because an unmeasured request was
+    routed there with them; their stores, arriving after this request was routed, are that
+    request's, so this one's prediction of four blocks came true."""
+    m = Clocked()
+    watch = m.meter.watch(0, [1, 2, 3, 4, 5], 4, 4, lent=(2, 4))
+    assert watch is not None
+    m.meter.prefilled(watch)
+    m.meter.batch(0, True)
+    m.meter.stored(0, [3, 4, 5])
+    m.now += SETTLE
+    m.meter.settle()
+    assert m.value("rankgate_routing_predicted_hit_tokens_total", policy="kv", rank="0") == 64
+    assert m.value("rankgate_routing_realised_hit_tokens_total", policy="kv", rank="0") == 64
+    assert m.trusted() == 1
 
 
 def test_watching_is_bounded_in_keys() -> None:

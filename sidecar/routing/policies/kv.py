@@ -125,6 +125,7 @@ class KvRouter(RankedRouter):
                 settle=self.config.regret_settle,
                 max_keys=self.config.regret_keys,
                 strikes=self.config.trust_strikes,
+                interval=self.config.regret_interval,
                 clock=self.clock,
             )
             if self.config.regret_keys and topology.sources
@@ -265,13 +266,17 @@ class KvRouter(RankedRouter):
         ticket = self._admit(
             slot, prompt_tokens, cached[slot], reason, estimated=estimated(request)
         )
-        if regret is not None:
+        if regret is not None and regret.due(slot):
+            predicted = believed[slot] // block
+            found = self.view.match(hashes)
+            by_events = min(found.device[slot], predicted) if found is not None else 0
             watch = regret.watch(
                 slot,
                 hashes,
-                believed[slot] // block,
+                predicted,
                 (prompt_tokens - 1) // block,
                 blocks=chain.blocks,
+                lent=(by_events, predicted),
             )
             if watch is not None:
                 return WatchedTicket(ticket, regret, watch)
