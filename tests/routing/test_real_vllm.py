@@ -45,7 +45,9 @@ async def _complete(sidecar: Sidecar, request: PreparedRequest) -> None:
 async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderTest) -> None:
     registry = CollectorRegistry()
     # The KV events alone: no predictions, and no share term (the dry runs below would tip it).
-    router = build_router(RoutingConfig(pending_ttl=0, share_weight=0), registry)
+    # Every request measured: each follower comes right after its dry run on the same rank.
+    config = RoutingConfig(pending_ttl=0, share_weight=0, regret_interval=0)
+    router = build_router(config, registry)
     assert isinstance(router, KvRouter)
     sidecar = Sidecar(
         SidecarConfig(endpoint=real_vllm.target, startup_timeout=120.0, health_interval=2.0),

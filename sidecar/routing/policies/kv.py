@@ -269,7 +269,7 @@ class KvRouter(RankedRouter):
         if regret is not None and regret.due(slot):
             predicted = believed[slot] // block
             found = self.view.match(hashes)
-            by_events = min(found.device[slot], predicted) if found is not None else 0
+            by_events = min(found.any_tier[slot], predicted) if found is not None else 0
             watch = regret.watch(
                 slot,
                 hashes,
