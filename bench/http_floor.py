@@ -5,12 +5,19 @@ with 200: no routing, no engine, no framework. Its CPU per request at a fixed ra
 gateway's HTTP protocol, uvicorn's cycle and the kernel's sockets cost before the gateway
 does anything (``bench/tree_ab.py floor``).
 
-    python bench/http_floor.py PORT
+``--server`` puts the same answer behind another server, the control for the one underneath
+the gateway: Granian (Rust, hyper) with this ASGI app, or with its own RSGI interface, one
+worker process and one runtime thread, HTTP/1.1 only. Granian is not a dependency of the
+gateway: ``pip install granian`` first (``bench/tree_ab.py floor:granian-asgi``).
+
+    python bench/http_floor.py PORT [--server uvicorn|granian-asgi|granian-rsgi]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -63,12 +70,46 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": ANSWER})
 
 
+async def rsgi(scope: Any, protocol: Any) -> None:
+    """The same answer through Granian's own interface, which needs no ASGI messages."""
+    if scope.method == "POST":
+        await protocol()
+    protocol.response_bytes(200, [("content-type", "application/json")], ANSWER)
+
+
+SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi")
+
+
 def main() -> None:
-    port = int(sys.argv[1])
-    config = uvicorn_config(
-        app, ConnectionLimits(), host="127.0.0.1", port=port, log_level="warning"
-    )
-    uvicorn.Server(config).run()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("port", type=int)
+    parser.add_argument("--server", choices=SERVERS, default="uvicorn")
+    args = parser.parse_args()
+    if args.server == "uvicorn":
+        config = uvicorn_config(
+            app, ConnectionLimits(), host="127.0.0.1", port=args.port, log_level="warning"
+        )
+        uvicorn.Server(config).run()
+        return
+    from granian import Granian  # type: ignore[import-not-found]
+
+    # Granian's worker imports the target by name, in a process of its own.
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
+    interface = args.server.removeprefix("granian-")
+    Granian(
+        f"http_floor:{'app' if interface == 'asgi' else 'rsgi'}",
+        address="127.0.0.1",
+        port=args.port,
+        interface=interface,
+        workers=1,
+        runtime_threads=1,
+        runtime_mode="st",
+        loop="uvloop",
+        http="1",
+        websockets=False,
+        log_level="warning",
+    ).serve()
 
 
 if __name__ == "__main__":

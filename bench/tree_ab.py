@@ -7,7 +7,8 @@ DP=2, KV events on), the order flipping every round, and prints for each run the
 request, split into user and system time and by thread, and the page faults per request;
 then each tree's median. ``router`` in place of a tree runs vllm-router ``kv_aware`` at the
 same rate, for scale, and ``floor`` a bare ASGI app under the gateway's own HTTP server
-(:mod:`http_floor`), what a request costs before the gateway does anything. ``TREE+ARGS``
+(:mod:`http_floor`), what a request costs before the gateway does anything (``floor:SERVER``
+the same answer behind another HTTP server). ``TREE+ARGS``
 serves ``TREE`` with extra ``rankgate serve`` arguments, comma-separated
 (``.+--policy,round_robin``): one feature switched off against the same tree.
 
@@ -103,16 +104,18 @@ def measure(gateway: peers.Gateway, request: dict[str, object], args: argparse.N
 
 
 def start(stack: ExitStack, engine: peers.Engine, spec: str, cpus: str) -> peers.Gateway:
-    """The gateway ``spec`` names: ``router``, ``floor``, a tree, or ``TREE+ARGS``."""
+    """The gateway ``spec`` names: ``router``, ``floor[:SERVER]``, a tree, or ``TREE+ARGS``."""
     if spec == "router":
         return peers.start_vllm_router(stack, engine, "kv_aware", cpus)
-    if spec == "floor":
+    if spec == "floor" or spec.startswith("floor:"):
+        server = spec.partition(":")[2] or "uvicorn"
         port = free_port()
-        argv = [sys.executable, str(Path(__file__).with_name("http_floor.py")), str(port)]
-        proc = peers.launch(stack, argv, "http-floor", cpus=cpus)
+        script = Path(__file__).with_name("http_floor.py")
+        argv = [sys.executable, str(script), str(port), "--server", server]
+        proc = peers.launch(stack, argv, f"http-floor-{server}", cpus=cpus)
         url = f"http://127.0.0.1:{port}"
         peers.wait_http(url, [proc], "/ready")
-        return peers.Gateway("http floor", url, [proc.pid])
+        return peers.Gateway(f"http floor ({server})", url, [proc.pid])
     tree, _, extra = spec.partition("+")
     return peers.start_rankgate(
         stack,
@@ -127,7 +130,9 @@ def start(stack: ExitStack, engine: peers.Engine, spec: str, cpus: str) -> peers
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "trees", nargs="+", help="source trees (TREE+ARG,ARG adds serve arguments), router, floor"
+        "trees",
+        nargs="+",
+        help="source trees (TREE+ARG,ARG adds serve arguments), router, floor[:SERVER]",
     )
     parser.add_argument("--rate", type=float, default=1500.0, help="requests a second")
     parser.add_argument("--seconds", type=float, default=8.0, help="per run")
