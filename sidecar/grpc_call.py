@@ -256,6 +256,10 @@ class Call(H2Stream, Generic[T]):
         reply = await self.read()
         if reply is None:
             raise error_from_status(Status.INTERNAL, "the engine sent no reply", self._retry_after)
+        if self._ended and not self._messages and not self._pending:
+            # The trailers came with the reply (they nearly always do): the call ended well
+            # with nothing after it, which a second read would only confirm.
+            return reply
         if await self.read() is not None:
             raise error_from_status(
                 Status.INTERNAL, "the engine sent more than one reply", self._retry_after

@@ -512,6 +512,32 @@ async def test_unary_reply_shapes() -> None:
             await client.Generate(_request("two"))
 
 
+async def test_a_unary_reply_is_settled_by_trailers_that_come_after_it() -> None:
+    """The reply alone is not the answer when the trailers are still to come: an error status
+    in them fails the call, and another message before them is a second reply."""
+
+    async def script(peer: _Peer, sid: int, rid: str) -> None:
+        assert peer.writer is not None
+        peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
+        peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(_TOKEN))
+        await peer.writer.drain()
+        # Past the client's read of the reply, so the trailers arrive in a read of their own.
+        await asyncio.sleep(0.05)
+        if rid == "then-another":
+            peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(_TOKEN))
+        status = "13" if rid == "then-error" else "0"
+        trailers = peer.headers([("grpc-status", status)])
+        peer.send(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, sid, trailers)
+
+    async with _peer(script) as (_, client):
+        reply = await client.Generate(_request("then-ok"))
+        assert list(reply.outputs.token_ids) == [7]
+        with pytest.raises(EngineFailure, match="INTERNAL"):
+            await client.Generate(_request("then-error"))
+        with pytest.raises(EngineFailure, match="more than one reply"):
+            await client.Generate(_request("then-another"))
+
+
 async def test_replies_outside_the_contract_are_bad_engine_responses() -> None:
     """A compressed, oversized or unparsable message is the engine breaking the contract, not
     the engine being busy: BadEngineResponse (never EngineOverloaded, which other ranks would
