@@ -14,6 +14,14 @@ pinned to ``--gateway-cpu``, in front of one engine (DP=2) that shares
   ``--short-tokens`` and of ``--long-tokens`` streams, and the CPU per token is the slope
   between the two, so per-request costs cancel.
 
+``h2load``'s connections send in step (each on its own timer, all started together), so the
+requests come in bursts of one per connection and a gateway serves a burst in one wake-up.
+``--arrivals poisson`` sends the non-streaming requests as independent clients would instead:
+a Poisson process over as many keep-alive connections (``bench/open_loop.mjs``, Node), and
+``--unique`` gives every one a question of its own, so whole-prompt caches stop helping and the
+engine stores (and announces) new KV blocks for every request. Streams stay on ``h2load``:
+their per-token figure is a slope between two lengths at the same arrivals.
+
 The engine (``--engine``) is our mock (KV events on), or a fake in another runtime
 (``bench/node_engine.mjs``: Node's HTTP/2 server, no KV events) so the figures do not rest on
 one engine's costs and timing alone.
@@ -64,6 +72,9 @@ class Fixed:
         return self.cpu / self.wall
 
 
+OPEN_LOOP = Path(__file__).with_name("open_loop.mjs")
+
+
 def fixed_rate(
     gateway: peers.Gateway,
     request: dict[str, object],
@@ -71,6 +82,8 @@ def fixed_rate(
     args: argparse.Namespace,
 ) -> Fixed:
     """``rate`` requests a second of ``request`` for ``--seconds``, every one 2xx."""
+    if args.arrivals == "poisson" and not request.get("stream"):
+        return open_loop(gateway, request, rate, args)
     clients = args.stream_clients if request.get("stream") else args.clients
     n = max(clients, round(rate * args.seconds))
     payload = args.work / "fixed.json"
@@ -91,6 +104,33 @@ def fixed_rate(
     if done.returncode != 0 or not ok or int(ok.group(1)) != n or not timing:
         raise RuntimeError(f"h2load against {gateway.name} failed:\n{done.stdout}{done.stderr}")
     return Fixed(n, cpu1 - cpu0, wall1 - wall0, _ms(timing.group(1)))
+
+
+def open_loop(
+    gateway: peers.Gateway, request: dict[str, object], rate: float, args: argparse.Namespace
+) -> Fixed:
+    """:func:`fixed_rate` with Poisson arrivals (``bench/open_loop.mjs``)."""
+    payload = args.work / "open.json"
+    payload.write_text(json.dumps(request))
+    argv = [
+        "taskset", "-c", args.engine_cpu, "node", str(OPEN_LOOP), "--url",
+        gateway.url + "/v1/chat/completions", "--body", str(payload), "--rate", f"{rate:.3f}",
+        "--seconds", str(args.seconds), "--clients", str(args.clients),
+    ]  # fmt: skip
+    if args.unique:
+        argv.append("--unique")
+    for name, value in gateway.headers.items():
+        argv += ["--header", f"{name}: {value}"]
+    cpu0, wall0 = gateway.cpu_seconds(), time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    cpu1, wall1 = gateway.cpu_seconds(), time.perf_counter()
+    try:
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        figures = {}
+    if done.returncode != 0 or figures.get("ok") != figures.get("requests"):
+        raise RuntimeError(f"open loop against {gateway.name} failed:\n{done.stdout}{done.stderr}")
+    return Fixed(int(figures["requests"]), cpu1 - cpu0, wall1 - wall0, float(figures["mean_ms"]))
 
 
 def _ms(text: str) -> float:
@@ -203,7 +243,9 @@ def report(
         "rate (of vllm-router's saturation)", "gateway", "CPU ms / request", "core",
         "mean request ms", "CPU us / streamed token", "core (long streams)",
     )  # fmt: skip
-    title = f"equal load, {args.rounds} rounds, {args.engine} engine"
+    arrivals = "Poisson arrivals" if args.arrivals == "poisson" else "h2load --rps"
+    prompts = ", unique prompts" if args.unique else ""
+    title = f"equal load, {args.rounds} rounds, {args.engine} engine, {arrivals}{prompts}"
     print(peers.table(head, rows, title, args.markdown))
 
 
@@ -231,8 +273,21 @@ def main() -> None:
         default="mock",
         help="our mock (KV events on) or the Node fake (bench/node_engine.mjs, no KV events)",
     )
+    parser.add_argument(
+        "--arrivals",
+        choices=("h2load", "poisson"),
+        default="h2load",
+        help="non-streaming requests from h2load --rps (in step), or as a Poisson process",
+    )
+    parser.add_argument(
+        "--unique",
+        action="store_true",
+        help="with --arrivals poisson: a question of its own in every request",
+    )
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    if args.unique and args.arrivals != "poisson":
+        parser.error("--unique needs --arrivals poisson (h2load sends one body)")
     plain = measure(args, paced=False)
     paced = measure(args, paced=True)
     print()
