@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -28,3 +29,16 @@ def test_it_serves_each_tree_and_prints_its_median() -> None:
         # CPU comes from /proc's 10 ms ticks: over these few requests it may read 0.
         assert all(float(ms) >= 0 for _, ms in runs)
         assert re.search(rf"  {re.escape(spec)}: [\d.]+ \(user [\d.]+\) \[", done.stdout)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_poisson_arrivals_of_unique_prompts() -> None:
+    """The open-loop client (``bench/open_loop.mjs``) in place of h2load, every prompt new."""
+    argv = [
+        sys.executable, str(BENCH / "tree_ab.py"), str(BENCH.parent), "--rounds", "1",
+        "--rate", "100", "--seconds", "0.5", "--clients", "2", "--tokenizer", "tiny",
+        "--arrivals", "poisson", "--unique",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(rf"round 0 {re.escape(str(BENCH.parent))}: [\d.]+ ms a request", done.stdout)
