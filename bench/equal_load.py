@@ -133,6 +133,27 @@ def open_loop(
     return Fixed(int(figures["requests"]), cpu1 - cpu0, wall1 - wall0, float(figures["mean_ms"]))
 
 
+def parse_with_arrivals(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments with ``--arrivals`` and ``--unique``, which :func:`fixed_rate`
+    reads, added and checked."""
+    parser.add_argument(
+        "--arrivals",
+        choices=("h2load", "poisson"),
+        default="h2load",
+        help="non-streaming requests from h2load --rps (in step), or as a Poisson process "
+        "(bench/open_loop.mjs)",
+    )
+    parser.add_argument(
+        "--unique",
+        action="store_true",
+        help="with --arrivals poisson: a question of its own in every request",
+    )
+    args = parser.parse_args()
+    if args.unique and args.arrivals != "poisson":
+        parser.error("--unique needs --arrivals poisson (h2load sends one body)")
+    return args
+
+
 def _ms(text: str) -> float:
     for unit, scale in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
         if text.endswith(unit):
@@ -273,21 +294,8 @@ def main() -> None:
         default="mock",
         help="our mock (KV events on) or the Node fake (bench/node_engine.mjs, no KV events)",
     )
-    parser.add_argument(
-        "--arrivals",
-        choices=("h2load", "poisson"),
-        default="h2load",
-        help="non-streaming requests from h2load --rps (in step), or as a Poisson process",
-    )
-    parser.add_argument(
-        "--unique",
-        action="store_true",
-        help="with --arrivals poisson: a question of its own in every request",
-    )
     parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
-    if args.unique and args.arrivals != "poisson":
-        parser.error("--unique needs --arrivals poisson (h2load sends one body)")
+    args = parse_with_arrivals(parser)
     plain = measure(args, paced=False)
     paced = measure(args, paced=True)
     print()

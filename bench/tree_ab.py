@@ -142,18 +142,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", choices=("llama-32k", "tiny"), default="llama-32k")
     parser.add_argument("--gateway-cpu", default="1")
     parser.add_argument("--engine-cpu", default="0")
-    parser.add_argument(
-        "--arrivals",
-        choices=("h2load", "poisson"),
-        default="h2load",
-        help="h2load --rps (in step), or a Poisson process (bench/open_loop.mjs)",
-    )
-    parser.add_argument(
-        "--unique", action="store_true", help="with --arrivals poisson: a question of its own"
-    )
-    args = parser.parse_args()
-    if args.unique and args.arrivals != "poisson":
-        parser.error("--unique needs --arrivals poisson (h2load sends one body)")
+    args = equal_load.parse_with_arrivals(parser)
     args.stream_clients = args.clients
     results: dict[str, list[Run]] = {tree: [] for tree in args.trees}
     with ExitStack() as stack:
