@@ -227,6 +227,9 @@ class ClientWatch:
                 self.disconnects += 1
         finally:
             cycle.close()
+            if whole is not None:
+                # The scope would otherwise hold the cycle that holds the scope.
+                del scope[WHOLE_ANSWER]
 
     def track(self, cycle: _Cycle) -> None:
         if not self.stall_timeout:

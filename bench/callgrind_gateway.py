@@ -5,7 +5,8 @@ counts are not. This runs ``rankgate serve`` under callgrind (collection off), i
 mock engine (DP=2, KV events on, the Llama-sized tokenizer of :mod:`peers_overhead`), warms it
 up, then switches instrumentation on for each phase alone and dumps it:
 
-- ``--requests`` non-streaming chat requests of ``--short-tokens`` tokens: Ir per request;
+- ``--requests`` non-streaming chat requests of ``--short-tokens`` tokens: Ir per request
+  (phase ``chat``: one conversation throughout; ``chat-unique``: a new question in each);
 - ``--streams`` streams of ``--short-tokens`` and of ``--long-tokens`` tokens, the engine
   paced (``--step-ms``, long enough that a gateway slowed by callgrind still reads one message
   per token): Ir per token is the slope between the two, so per-request costs cancel.
@@ -33,14 +34,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_tokenizer
 import peers
-from peers_overhead import body
+from peers_overhead import MESSAGES, body
 
 from tests.support.ports import free_port
 
 
-async def drive(url: str, model: str, n: int, concurrency: int, stream: bool, tokens: int) -> int:
-    """``n`` requests, ``concurrency`` at a time; returns the chunks with choices received."""
+def asked(model: str, stream: bool, tokens: int, unique: int | None) -> dict[str, object]:
+    """The bench's request; with ``unique``, its last message asks a question of its own (no
+    render, tokenizer or prefix the gateway has seen)."""
     request = body(model, stream, tokens)
+    if unique is None:
+        return request
+    messages = [dict(message) for message in MESSAGES]
+    messages[-1]["content"] += f" Question {unique}: item {unique * 7919 % 100003}."
+    return {**request, "messages": messages}
+
+
+async def drive(
+    url: str, model: str, n: int, concurrency: int, stream: bool, tokens: int, unique: bool = False
+) -> int:
+    """``n`` requests, ``concurrency`` at a time; returns the chunks with choices received."""
     queue = iter(range(n))
     chunks = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -48,7 +61,8 @@ async def drive(url: str, model: str, n: int, concurrency: int, stream: bool, to
 
         async def worker() -> None:
             nonlocal chunks
-            for _ in queue:
+            for i in queue:
+                request = asked(model, stream, tokens, i if unique else None)
                 if not stream:
                     reply = await client.post("/v1/chat/completions", json=request)
                     reply.raise_for_status()
@@ -132,6 +146,12 @@ def main() -> None:
             asyncio.run(drive(url, model, n, c, False, args.short_tokens))
             ir = dumped_ir(args.out, proc.pid, "chat")
             results.append(f"non-streaming chat: {ir / n / 1e6:.3f} M Ir per request ({n})")
+        if "chat-unique" in args.phases:
+            control(proc.pid, "--instr=on")
+            asyncio.run(drive(url, model, n, c, False, args.short_tokens, unique=True))
+            ir = dumped_ir(args.out, proc.pid, "chat-unique")
+            per_request = ir / n / 1e6
+            results.append(f"non-streaming chat, new questions: {per_request:.3f} M Ir per request")
         if "stream" in args.phases:
             per_stream: list[float] = []
             per_chunks: list[float] = []

@@ -196,16 +196,19 @@ class ChatTemplate:
         context["documents"] = list(documents) if documents is not None else None
         context["add_generation_prompt"] = add_generation_prompt
         template = self._compiled
+        scope = template.new_context(context, shared=True)
         try:
-            rendered = _ENV.concat(
-                template.root_render_func(template.new_context(context, shared=True))
-            )
+            rendered = _ENV.concat(template.root_render_func(scope))
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateRenderError(str(exc)) from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             raise TemplateRenderError(
                 f"the chat template failed on this conversation: {exc}"
             ) from exc
+        finally:
+            # A macro the template defines is a closure over the render's context, kept in
+            # that context's variables: a cycle that only the cyclic collector would free.
+            scope.vars.clear()
         if final_text is None:
             return rendered
         if final_text.strip() not in rendered or _CONTINUE_TAG.strip() not in rendered:

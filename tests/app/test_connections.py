@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -591,7 +592,7 @@ async def test_a_whole_answer_is_the_bytes_send_writes_in_one_write(
     assert len(logged) == access_log
 
     direct, raw, done = _uvicorn_cycle(loop, keep_alive=keep_alive, access_log=access_log)
-    whole = WholeAnswer.of({"rankgate.response_cycle": direct}, direct.send)
+    whole = WholeAnswer.of({"rankgate.response_cycle": weakref.ref(direct)}, direct.send)
     assert whole is not None
     assert whole.write(200, _HEADERS, _ANSWER)
     assert raw.written == [b"".join(sent_raw.written)]
@@ -633,7 +634,7 @@ async def test_a_whole_answer_leaves_to_send_what_send_must_handle(case: str) ->
     loop = asyncio.get_running_loop()
     cycle, raw, done = _uvicorn_cycle(loop, method="HEAD" if case == "HEAD" else "POST")
     headers = list(_HEADERS)
-    scope = {"rankgate.response_cycle": cycle}
+    scope = {"rankgate.response_cycle": weakref.ref(cycle)}
 
     async def wrapped(message: Any) -> None:
         await cycle.send(message)
@@ -676,7 +677,7 @@ async def test_a_whole_answer_follows_what_its_transport_still_holds() -> None:
     it) goes out first, then the answer."""
     cycle, raw, _ = _uvicorn_cycle(asyncio.get_running_loop())
     cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    whole = WholeAnswer.of({"rankgate.response_cycle": cycle}, cycle.send)
+    whole = WholeAnswer.of({"rankgate.response_cycle": weakref.ref(cycle)}, cycle.send)
     assert whole is not None
     assert whole.write(200, _HEADERS, _ANSWER)
     assert raw.written[0] == b"HTTP/1.1 100 Continue\r\n\r\n"

@@ -1,4 +1,5 @@
-"""Start-up's objects are frozen out of the cyclic collector's passes once the app is up."""
+"""Start-up's objects are frozen out of the cyclic collector's passes once the app is up, and
+a request leaves nothing for those passes to find."""
 
 from __future__ import annotations
 
@@ -6,8 +7,44 @@ import gc
 
 import httpx
 
+from tests.support.cyclic_garbage import cyclic_garbage
+from tests.support.engines import EngineUnderTest
+
 
 def test_startup_objects_are_frozen_once_the_gateway_is_up(scripted_http: httpx.Client) -> None:
     assert scripted_http.get("/ready").status_code == 200
     # The app, its routes and models, the tokenizer tables and the sidecar's state.
     assert gc.get_freeze_count() > 10_000
+
+
+# What the gateway's request path is made of; the in-process mock engine and the test's own
+# client are left out.
+JSON = {"content-type": "application/json"}
+GATEWAY_MODULES = ("rankgate.app", "rankgate.sidecar", "uvicorn", "starlette", "fastapi", "jinja2")
+
+
+def test_a_served_request_leaves_nothing_for_the_cyclic_collector(
+    mock_http: httpx.Client, mock_vllm: EngineUnderTest
+) -> None:
+    model = mock_vllm.served_model_name
+
+    def chat(i: int, stream: bool) -> httpx.Response:
+        messages = [{"role": "user", "content": f"question {i}"}]
+        body = {"model": model, "messages": messages, "max_tokens": 4, "stream": stream}
+        return mock_http.post("/v1/chat/completions", json=body)
+
+    assert chat(0, False).status_code == 200
+    with cyclic_garbage(*GATEWAY_MODULES) as left:
+        for i in range(1, 6):
+            answer = chat(i, False)
+            assert answer.json()["usage"]["completion_tokens"] == 4
+            assert chat(i, True).text.rstrip().endswith("data: [DONE]")
+            completion = {"model": model, "prompt": f"question {i}", "max_tokens": 3}
+            assert mock_http.post("/v1/completions", json=completion).status_code == 200
+            response = {"model": model, "input": f"question {i}", "max_output_tokens": 3}
+            assert mock_http.post("/v1/responses", json=response).status_code == 200
+            # An error answer is made from an exception, whose traceback holds frames.
+            assert mock_http.post("/v1/chat/completions", json={"model": model}).status_code == 400
+            broken = mock_http.post("/v1/chat/completions", content=b"{", headers=JSON)
+            assert broken.status_code == 400
+    assert not left

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from rankgate.app.prepare.template import ChatTemplate, TemplateRenderError, detect_content_format
 from rankgate.app.prepare.tokenizer import TextTokenizer
 from tests.conftest import TINY_TOKENIZER
+from tests.support.cyclic_garbage import cyclic_garbage
 
 TEMPLATES = Path(__file__).parent / "templates"
 TOOLS = [
@@ -183,3 +184,21 @@ def test_sandbox_blocks_escapes() -> None:
     template = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(TemplateRenderError):
         template.render([{"role": "user", "content": "x"}])
+
+
+def test_a_render_leaves_nothing_for_the_cyclic_collector() -> None:
+    # A macro that looks a name up is a closure over the render's context, which keeps the
+    # macro among its variables.
+    template = ChatTemplate(
+        "{%- macro part(text) -%}{%- for word in text.split() -%}{%- set kind = word -%}"
+        "[{{ kind }}]{%- endfor -%}{{ bos_token }}{%- endmacro -%}"
+        "{%- set ns = namespace(count=0) -%}"
+        "{%- for message in messages -%}{{ part(message['content']) }}"
+        "{%- set ns.count = ns.count + 1 -%}{%- endfor -%}{{ ns.count }}",
+        {"bos_token": "<s>"},
+    )
+    with cyclic_garbage("jinja2", "rankgate") as left:
+        for i in range(20):
+            rendered = template.render([{"role": "user", "content": f"question {i}"}])
+            assert rendered == f"[question][{i}]<s>1"
+    assert not left
