@@ -153,6 +153,9 @@ class Sidecar:
                     if sink is not None and not unary:
                         call.push = streams.pusher(stream, sink)
         finally:
+            # A pusher holds its stream, which holds the call that holds the pusher.
+            for opened in streams.opened:
+                opened.call.push = None
             streams.drop()
 
     async def generate_batch(

@@ -11,6 +11,7 @@ import pytest
 from rankgate.sidecar.types import Delta, StoppingParams
 from tests.sidecar.fake_vllm import request
 from tests.sidecar.test_with_mocker import leaks, mock_engine, sidecar_on
+from tests.support.cyclic_garbage import cyclic_garbage
 
 TOKENS = 32
 
@@ -79,3 +80,15 @@ async def test_a_sink_that_fails_ends_the_stream_with_its_failure_and_the_engine
             assert sidecar.in_flight() == {0: 0, 1: 0}
         assert leaks(handle) == {0: (0, 0), 1: (0, 0)}
     assert len(sink.taken) == 3
+
+
+async def test_a_stream_read_through_a_sink_leaves_nothing_for_the_cyclic_collector() -> None:
+    with mock_engine(speed=0.5) as handle:
+        async with sidecar_on(handle) as sidecar:
+            await _read(sidecar, Sink(), "warm")
+            with cyclic_garbage("rankgate.sidecar") as left:
+                for i in range(3):
+                    sink = Sink()
+                    await _read(sidecar, sink, f"pushed-{i}")
+                    assert sink.taken
+    assert not left
