@@ -82,7 +82,9 @@ class _Echo(inference_pb2_grpc.InferenceServicer):
                 )
             if request.request_id == "fail-late":
                 await context.abort(grpc.StatusCode.INTERNAL, "engine core died")
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancel that lands while grpcio sends a message stops its handler outside the
+            # generator, which is then closed (GeneratorExit) rather than cancelled.
             self.cancelled.append(request.request_id)
             raise
 
@@ -685,12 +687,12 @@ def _resets(peer: _Peer) -> list[tuple[int, int]]:
     ]
 
 
-async def _eventually(check: Callable[[], bool]) -> None:
-    """The scripted peer reads the client's frames only between its replies: wait however
-    long a loaded machine takes (the test's timeout bounds a hang)."""
-    while True:
-        if check():
-            return
+async def _eventually(check: Callable[[], bool], within: float = 60.0) -> None:
+    """The scripted peer reads the client's frames only between its replies: wait as long as
+    a loaded machine takes, and fail with a clear message well before the test's timeout."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"not true within {within} s"
         await asyncio.sleep(0.01)
 
 
