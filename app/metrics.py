@@ -41,6 +41,9 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Gauge,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import (
@@ -489,6 +492,15 @@ class GatewayMetrics:
         self._recorder = recorder
         self.in_flight: _Count | Gauge = recorder.in_flight
         self.observe = recorder.observe
+
+    def expose_process(self) -> None:
+        """The process's CPU, memory, file descriptors and collector passes, the series a
+        standard Prometheus client exports: how an operator sees a gateway's own cost grow.
+        With several workers each is one process's, so they are left out there."""
+        if self.multiproc_dir is None:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
 
     def watch_engine(self, probe: EngineProbe | None) -> None:
         """Report engine health from ``probe`` (None: no engine yet)."""

@@ -131,6 +131,7 @@ def create_app(
     app.state.gateway = None
     app.state.registry = registry
     app.state.metrics = GatewayMetrics(registry)
+    app.state.metrics.expose_process()
     app.state.observer = RequestObserver(
         app.state.metrics, AccessLog() if settings.access_log else None
     )

@@ -132,6 +132,31 @@ def test_engine_health_goes_down_with_the_engine(
     assert value(scrape(mock_http), "rankgate_engine_ready") == 1
 
 
+def test_the_process_own_series_are_exported(mock_http: httpx.Client) -> None:
+    """CPU, memory and the cyclic collector's passes, as a standard client exports them."""
+    text = scrape(mock_http)
+    assert value(text, "process_cpu_seconds_total") > 0
+    assert value(text, "process_resident_memory_bytes") > 0
+    assert value(text, "process_open_fds") > 0
+    for generation in ("0", "1", "2"):
+        assert f'python_gc_collections_total{{generation="{generation}"}}' in text
+    assert "python_info{" in text
+
+
+def test_several_workers_leave_one_process_series_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from rankgate.app.metrics import MULTIPROC_ENV, GatewayMetrics
+
+    monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path))
+    registry = CollectorRegistry()
+    GatewayMetrics(registry).expose_process()
+    names = {family.name for family in registry.collect()}
+    assert not any(name.startswith(("process_", "python_")) for name in names)
+
+
 _MULTIPROCESS = """
 import sys
 from prometheus_client import CollectorRegistry
