@@ -187,15 +187,37 @@ def from_sidecar(exc: SidecarError) -> ApiError:
 
 
 def as_api_error(exc: BaseException) -> ApiError:
-    """Any exception as the error the client sees; unexpected ones are logged with traceback."""
+    """Any exception as the error the client sees, the last use of ``exc`` and of the errors
+    it came from; unexpected ones are logged with traceback."""
     if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, SidecarError):
-        return from_sidecar(exc)
-    if isinstance(exc, msgspec.MsgspecError):
-        return from_decode_error(exc)
-    log.error("unexpected error while serving a request", exc_info=exc)
-    return ApiError(500, "Internal server error", type=SERVER_ERROR, code="internal_error")
+        answer = exc
+    elif isinstance(exc, SidecarError):
+        answer = from_sidecar(exc)
+    elif isinstance(exc, msgspec.MsgspecError):
+        answer = from_decode_error(exc)
+    else:
+        log.error("unexpected error while serving a request", exc_info=exc)
+        answer = ApiError(500, "Internal server error", type=SERVER_ERROR, code="internal_error")
+    _drop_tracebacks(exc)
+    return answer
+
+
+def _drop_tracebacks(exc: BaseException) -> None:
+    """An answered error's traceback holds the frames it passed through, whose locals (the
+    request, its engine calls, which keep the error they ended with) hold the error again:
+    a cycle that only the cyclic collector would free, on the event loop, long after."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        error = pending.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = None
+        if error.__cause__ is not None:
+            pending.append(error.__cause__)
+        if error.__context__ is not None:
+            pending.append(error.__context__)
 
 
 def status_of(exc: BaseException) -> int:

@@ -340,19 +340,30 @@ class RequestStreams(msgspec.Struct, eq=False):
         consumer is EngineUnavailable; the consumer's own cancellation goes on as it came.
         """
         book = self._book
-        if isinstance(error, SidecarError):
-            failure = book.failure(stream, error)
-            retry = None if self.yielded else self._retry(stream, failure)
-            if retry is None:
-                raise failure from None
-            return retry
-        if isinstance(error, StopAsyncIteration):
-            raise book.truncated(stream) from None
-        if isinstance(error, asyncio.CancelledError) and stream.preempted:
-            task = asyncio.current_task()
-            if task is not None and not task.cancelling():
-                raise book.lifecycle.shutdown_error() from None
-        raise error
+        failure: SidecarError | None = None
+        try:
+            if isinstance(error, SidecarError):
+                failure = book.failure(stream, error)
+                retry = None if self.yielded else self._retry(stream, failure)
+                if retry is None:
+                    raise failure from None
+                # Answered here: its traceback holds the reader's frame, which holds these
+                # streams and so the call that keeps the error.
+                error.__traceback__ = None
+                failure.__traceback__ = None
+                return retry
+            if isinstance(error, StopAsyncIteration):
+                raise book.truncated(stream) from None
+            if isinstance(error, asyncio.CancelledError) and stream.preempted:
+                task = asyncio.current_task()
+                if task is not None and not task.cancelling():
+                    raise book.lifecycle.shutdown_error() from None
+            raise error
+        finally:
+            # An error raised here has this frame in its traceback: were its names to keep
+            # the error, the two would be a cycle left to the cyclic collector.
+            failure = None
+            del error
 
     def drop(self) -> None:
         """Cancel every unfinished stream now; decode hand-offs finish their first token first."""

@@ -226,3 +226,30 @@ def test_unknown_route_and_method(scripted_http: httpx.Client) -> None:
     wrong = scripted_http.get("/v1/chat/completions")
     assert wrong.status_code == 405
     assert "error" in wrong.json()
+
+
+def test_an_answered_error_lets_go_of_the_frames_it_passed() -> None:
+    """Mapping an error to its answer is its last use: its traceback, and those of the errors
+    it was raised from or during, would hold the request's frames in a cycle."""
+    from rankgate.app.errors import as_api_error
+    from rankgate.sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable
+
+    def fail() -> None:
+        try:
+            raise EngineUnavailable("rank 0 is down")
+        except EngineUnavailable as down:
+            try:
+                raise EngineFailure("rank 1 failed") from down
+            except EngineFailure:
+                raise EngineOverloaded("no rank left") from None
+
+    with pytest.raises(EngineOverloaded) as caught:
+        fail()
+    error = caught.value
+    failure = error.__context__
+    assert failure is not None
+    assert failure.__cause__ is not None
+    chain = (error, failure, failure.__cause__)
+    assert all(each.__traceback__ is not None for each in chain)
+    assert as_api_error(error).status == 429
+    assert all(each.__traceback__ is None for each in chain)

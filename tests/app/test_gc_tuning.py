@@ -4,6 +4,7 @@ a request leaves nothing for those passes to find."""
 from __future__ import annotations
 
 import gc
+import time
 
 import httpx
 
@@ -47,4 +48,53 @@ def test_a_served_request_leaves_nothing_for_the_cyclic_collector(
             assert mock_http.post("/v1/chat/completions", json={"model": model}).status_code == 400
             broken = mock_http.post("/v1/chat/completions", content=b"{", headers=JSON)
             assert broken.status_code == 400
+    assert not left
+
+
+def test_a_failed_or_abandoned_request_leaves_nothing_for_the_cyclic_collector(
+    mock_http: httpx.Client, mock_vllm: EngineUnderTest
+) -> None:
+    """Engine refusals and unreadable replies, streamed and not, and a stream its client
+    leaves after the first token: each ends in an exception, whose traceback holds frames."""
+    faults = mock_vllm.mock.faults
+    model = mock_vllm.served_model_name
+
+    def chat(i: int, stream: bool, max_tokens: int = 4) -> dict[str, object]:
+        messages = [{"role": "user", "content": f"question {i}"}]
+        return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": stream}
+
+    def in_flight() -> float:
+        text = mock_http.get("/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("rankgate_http_requests_in_flight")
+        )
+
+    assert mock_http.post("/v1/chat/completions", json=chat(0, False)).status_code == 200
+    with cyclic_garbage(*GATEWAY_MODULES) as left:
+        try:
+            for i in range(1, 4):
+                for stream in (False, True):
+                    faults.reject_requests()
+                    refused = mock_http.post("/v1/chat/completions", json=chat(i, stream))
+                    assert refused.status_code == 429
+                    faults.reject_requests(0)
+                    faults.garble_replies(1)
+                    garbled = mock_http.post("/v1/chat/completions", json=chat(i, stream))
+                    assert garbled.status_code == 502
+                faults.slow_steps(0.005)
+                body = chat(i, True, max_tokens=100)
+                with mock_http.stream("POST", "/v1/chat/completions", json=body) as answer:
+                    assert answer.status_code == 200
+                    assert next(answer.iter_lines()).startswith("data: ")
+                faults.slow_steps(0)
+                deadline = time.monotonic() + 60
+                while in_flight() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert in_flight() == 0
+        finally:
+            faults.reject_requests(0)
+            faults.garble_replies(0)
+            faults.slow_steps(0)
     assert not left
