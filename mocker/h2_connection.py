@@ -406,6 +406,8 @@ class Connection(H2Connection[Stream], asyncio.Protocol):
                 stream.timer = None
             if context._callbacks:
                 context._run_callbacks()
+            # The context holds its stream: a cycle otherwise, left to the cyclic collector.
+            stream.context = None
 
     async def send_message(self, stream: Stream, payload: bytes) -> None:
         """Send one response message; wait while the peer's windows or the socket are full."""

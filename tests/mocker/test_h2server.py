@@ -24,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from rankgate.mocker.h2server import H2Server
 from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
+from tests.support.cyclic_garbage import cyclic_garbage
 from tests.support.mock_engine import MockEngineHandle
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -228,6 +229,17 @@ def test_large_response_is_framed_within_the_peer_limits(client: Client) -> None
     messages = client.stream(request(ids, max_new_tokens=2, response=shape))
     assert list(messages[0].prompt_info.token_ids) == ids
     assert len(messages[0].prompt_info.logprobs) == 20_000
+
+
+def test_finished_calls_leave_nothing_for_the_cyclic_collector(client: Client) -> None:
+    """The engine's own CPU is part of every benchmark run against it."""
+    ids = prompt(7, 64)
+    client.inference.Generate(request(ids), timeout=30)
+    with cyclic_garbage("rankgate.mocker") as left:
+        for _ in range(3):
+            assert len(client.inference.Generate(request(ids), timeout=30).outputs.token_ids) == 4
+            assert len(client.stream(request(ids))) >= 2
+    assert not left
 
 
 def test_gzip_request_is_accepted(inloop: MockEngineHandle) -> None:
