@@ -142,15 +142,20 @@ def main() -> None:
     parser.add_argument("--tokenizer", choices=("llama-32k", "tiny"), default="llama-32k")
     parser.add_argument("--gateway-cpu", default="1")
     parser.add_argument("--engine-cpu", default="0")
+    parser.add_argument(
+        "--engine",
+        choices=("mock", "node"),
+        default="mock",
+        help="our mock (KV events on) or the Node fake (bench/node_engine.mjs, no KV events)",
+    )
     args = equal_load.parse_with_arrivals(parser)
     args.stream_clients = args.clients
     results: dict[str, list[Run]] = {tree: [] for tree in args.trees}
     with ExitStack() as stack:
         args.work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rankgate-ab-")))
         tokenizer = peers.TINY_TOKENIZER if args.tokenizer == "tiny" else llama_tokenizer.ensure()
-        engine = peers.start_mock_engine(
-            stack, args.work, dp_size=2, tokenizer=tokenizer, cpus=args.engine_cpu
-        )
+        starter = peers.start_node_engine if args.engine == "node" else peers.start_mock_engine
+        engine = starter(stack, args.work, dp_size=2, tokenizer=tokenizer, cpus=args.engine_cpu)
         request = body(engine.model, False, args.short_tokens)
         for round_ in range(args.rounds):
             for tree in args.trees if round_ % 2 == 0 else args.trees[::-1]:
