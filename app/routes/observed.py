@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from rankgate.app.errors import as_api_error
 from rankgate.app.headers import request_header
-from rankgate.app.observe import RequestObserver, RequestRecord, observer_of
+from rankgate.app.observe import RequestRecord, observer_of
 from rankgate.app.request_id import HEADER, from_header, is_safe
 from rankgate.app.respond.sse import EventStreamResponse
 
@@ -43,21 +43,14 @@ async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
         observer.finish(record, CLIENT_GONE)
         raise
     except Exception as exc:
-        response = _refused(observer, record, exc)
+        error = as_api_error(exc)
+        observer.finish(record, error.status)
+        response = error.response()
     else:
         if not isinstance(response, EventStreamResponse):
             observer.finish(record, response.status_code)
     response.raw_headers.append((_HEADER, record.request_id.encode("latin-1")))
     return response
-
-
-def _refused(observer: RequestObserver, record: RequestRecord, exc: Exception) -> Response:
-    """The error answer, made outside the frame that caught ``exc``: a name there for the
-    error (``exc`` itself, once mapped) would be held by that frame, which the error's own
-    traceback holds, and the request's objects would wait for the cyclic collector."""
-    error = as_api_error(exc)
-    observer.finish(record, error.status)
-    return error.response()
 
 
 # Client-chosen ids repeat across clients, but vLLM and the sidecar key live requests by id:
