@@ -10,6 +10,7 @@ import httpx
 
 from tests.support.cyclic_garbage import cyclic_garbage
 from tests.support.engines import EngineUnderTest
+from tests.support.metrics import metric_total
 
 
 def test_startup_objects_are_frozen_once_the_gateway_is_up(scripted_http: httpx.Client) -> None:
@@ -64,12 +65,7 @@ def test_a_failed_or_abandoned_request_leaves_nothing_for_the_cyclic_collector(
         return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": stream}
 
     def in_flight() -> float:
-        text = mock_http.get("/metrics").text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("rankgate_http_requests_in_flight")
-        )
+        return metric_total(mock_http, "rankgate_http_requests_in_flight")
 
     assert mock_http.post("/v1/chat/completions", json=chat(0, False)).status_code == 200
     with cyclic_garbage(*GATEWAY_MODULES) as left:
