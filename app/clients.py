@@ -1,8 +1,8 @@
 """Client liveness on the generation routes: hang-ups and readers that stopped reading.
 
-uvicorn's ``send`` returns silently once the client is gone, so a stream would keep the engine
-generating until ``max_tokens``; uvicorn tells only a pending ``receive`` of the disconnect.
-The gateway's own protocol tells more: it fires the request's
+An ASGI server's ``send`` returns silently once the client is gone, so a stream would keep the
+engine generating until ``max_tokens``; ASGI tells only a pending ``receive`` of the disconnect.
+The gateway's own protocol (:mod:`app.http1`) tells more: it fires the request's
 :class:`~app.connections.DisconnectNotice` when the connection is lost (under another server,
 one ``receive`` is kept waiting in a task of its own instead). Once the request body has been
 read, a client that leaves before the response is complete has the request's task cancelled:
@@ -32,13 +32,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rankgate.app.connections import (
-    DISCONNECT_NOTICE,
-    PEER_WINDOW,
-    DisconnectNotice,
-    PeerWindow,
-    WholeAnswer,
-)
+from rankgate.app.connections import DISCONNECT_NOTICE, PEER_WINDOW, DisconnectNotice, PeerWindow
+from rankgate.app.http1 import WholeAnswer
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +129,7 @@ class _Cycle:
 
     def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
         """Write a whole answer in one write, as :meth:`send` would in two messages; False
-        when it must go through :meth:`send` (see :class:`~app.connections.WholeAnswer`)."""
+        when it must go through :meth:`send` (see :class:`~app.http1.WholeAnswer`)."""
         whole = self.whole
         if whole is None or not whole.write(status, headers, body):
             return False

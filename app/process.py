@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 
-from rankgate.app.connections import uvicorn_config
+from rankgate.app.http1 import uvicorn_config
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from rankgate.app.shutdown import BACKSTOP_S, GracefulServer

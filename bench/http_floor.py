@@ -16,15 +16,19 @@ gateway: ``pip install granian`` first (``bench/tree_ab.py floor:granian-asgi``)
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 from pathlib import Path
 from typing import Any
 
+import httptools
 import orjson
 import uvicorn
+import uvloop
 
-from rankgate.app.connections import ConnectionLimits, uvicorn_config
+from rankgate.app.connections import ConnectionLimits
+from rankgate.app.http1 import uvicorn_config
 
 ANSWER = orjson.dumps(
     {
@@ -78,7 +82,48 @@ async def rsgi(scope: Any, protocol: Any) -> None:
     protocol.response_bytes(200, [("content-type", "application/json")], ANSWER)
 
 
-SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi")
+class RawProtocol(asyncio.Protocol):
+    """The same answer from an HTTP/1.1 protocol with nothing between the parser and the
+    socket: no ASGI scope, messages or task per request. What any server written in Python on
+    ``httptools`` and uvloop pays at least."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.body.clear()
+        assert self.transport is not None
+        self.transport.write(RAW_ANSWER)
+
+
+RAW_ANSWER = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(ANSWER)
+    + ANSWER
+)
+
+
+def serve_raw(port: int) -> None:
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(RawProtocol, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(serve())
+
+
+SERVERS = ("uvicorn", "raw", "granian-asgi", "granian-rsgi")
 
 
 def main() -> None:
@@ -91,6 +136,9 @@ def main() -> None:
             app, ConnectionLimits(), host="127.0.0.1", port=args.port, log_level="warning"
         )
         uvicorn.Server(config).run()
+        return
+    if args.server == "raw":
+        serve_raw(args.port)
         return
     # Imported by name: Granian is installed only to run this control.
     granian = importlib.import_module("granian")

@@ -18,8 +18,8 @@ from typing import Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from rankgate.app.connections import ChunkWriter
 from rankgate.app.errors import as_api_error
+from rankgate.app.http1 import ChunkWriter
 from rankgate.app.observe import Tracked
 from rankgate.app.respond.primed import close_stream, unprimed
 from rankgate.sidecar import Delta
@@ -223,7 +223,7 @@ class _DirectSink:
 async def _send_encoded(events: DeltaEvents, send: Send, writer: ChunkWriter | None = None) -> int:
     """:func:`_send_chunks` for a delta stream, with the encoder called inline.
 
-    ``writer`` (the server's :class:`~app.connections.ChunkWriter`, where it has one) takes
+    ``writer`` (the server's :class:`~app.http1.ChunkWriter`, where it has one) takes
     every chunk after the first, which goes through ``send`` so that the layers watching the
     stream know it has begun; a chunk it declines goes through ``send`` too. Once a delta has
     been read past the first chunk, a sidecar stream is sent a :class:`_DirectSink`, and its

@@ -6,28 +6,37 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 
-from rankgate.app.connections import ConnectionLimits, uvicorn_config
+from rankgate.app.connections import ConnectionLimits
+from rankgate.app.http1 import uvicorn_config
 from tests.support.ports import free_port
 
 
 @contextmanager
 def serve_app(
-    app: FastAPI, timeout: float = 60.0, connections: ConnectionLimits | None = None
+    app: Any,
+    timeout: float = 60.0,
+    connections: ConnectionLimits | None = None,
+    http: str | None = None,
 ) -> Iterator[str]:
-    """Serve ``app`` with the gateway's own uvicorn configuration (protocol and limits)."""
+    """Serve ``app`` with the gateway's own uvicorn configuration (protocol and limits), or
+    with uvicorn's own ``http`` protocol (``"httptools"``) for a reference to compare with."""
     port = free_port()
-    config = uvicorn_config(
-        app,
-        connections or ConnectionLimits(),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        lifespan="on",
-    )
+    options: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": port,
+        "log_level": "warning",
+        "lifespan": "on",
+    }
+    if http is None:
+        config = uvicorn_config(app, connections or ConnectionLimits(), **options)
+    else:
+        config = uvicorn.Config(
+            app, http=http, loop="uvloop", server_header=False, proxy_headers=False, **options
+        )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()

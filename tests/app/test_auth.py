@@ -155,7 +155,7 @@ def test_cors_when_configured_answers_preflight_without_a_key(
 
 def test_cors_headers_reach_a_whole_generation_answer(locked_metrics: httpx.Client) -> None:
     """The CORS layer adds its headers to a chat answer, which the gateway otherwise writes
-    past ``send`` in one write (``app.connections.WholeAnswer``); without an Origin the same
+    past ``send`` in one write (``app.http1.WholeAnswer``); without an Origin the same
     answer comes whole, without them."""
     body = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for origin in (ORIGIN, None):

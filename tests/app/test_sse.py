@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rankgate.app.connections import ChunkWriter
+from rankgate.app.http1 import ChunkWriter
 from rankgate.app.respond import sse
 from rankgate.app.respond.stream import _ChatChunks
 from tests.chaos.harness import assert_clean, chat, gateway, mock_engine, stream

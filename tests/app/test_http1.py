@@ -1,7 +1,8 @@
-"""HTTP connection limits through raw sockets: oversized heads, slow and silent clients, the cap.
+"""The gateway's HTTP/1.1 server: its limits through raw sockets (oversized heads, slow and
+silent clients, the cap), and its framing against uvicorn's.
 
-Each test talks to a gateway served the way ``rankgate serve`` serves (``uvicorn_config``) with
-small limits, so that a limit is reached in well under a second.
+The socket tests talk to a gateway served the way ``rankgate serve`` serves (``uvicorn_config``)
+with small limits, so that a limit is reached in well under a second.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any, cast
 import httpx
 import orjson
 import pytest
-from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.flow_control import FlowControl as UvicornFlow
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from rankgate.app.connections import ChunkWriter, ConnectionLimits, HeldHead, WholeAnswer
+from rankgate.app.connections import ConnectionLimits
+from rankgate.app.http1 import ChunkWriter, Exchange, FlowControl, WholeAnswer
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
@@ -412,13 +414,16 @@ class _Transport:
         self.written.append(data)
 
 
-class _Cycle:
+class _Exchange:
     def __init__(self) -> None:
         self.chunked_encoding: bool | None = True
         self.response_complete = False
         self.disconnected = False
         self.flow = _Flow()
         self.transport = _Transport()
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
 
 
 @pytest.mark.parametrize(
@@ -435,17 +440,17 @@ def test_the_chunk_writer_leaves_to_send_what_send_must_handle(state: str, value
     """A response not chunked (not started, or with a length), complete, whose client left,
     or whose socket is full: the writer declines, so ``send`` waits, drops or refuses as it
     does."""
-    cycle = _Cycle()
-    writer = ChunkWriter(cycle)
+    exchange = _Exchange()
+    writer = ChunkWriter(exchange)
     assert writer.write(b"data: 1\n\n")
-    assert cycle.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
-    setattr(cycle.flow if state == "write_paused" else cycle, state, value)
+    assert exchange.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
+    setattr(exchange.flow if state == "write_paused" else exchange, state, value)
     assert not writer.write(b"data: 2\n\n")
-    assert cycle.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
+    assert exchange.transport.written == [b"9\r\ndata: 1\n\n\r\n"]
 
 
 def test_pipelined_answers_arrive_whole_and_in_order(gateway: str, engine: ScriptedEngine) -> None:
-    """Each answer's head is held for its body (``HeldHead``): answers to requests sent back to
+    """Each answer's head is held for its body: answers to requests sent back to
     back on one connection still arrive each whole, in the order asked."""
     engine.outputs = ["first answer", "second answer"]
     bodies = [orjson.dumps({**orjson.loads(BODY), "n": n}) for n in (1, 2)]
@@ -494,73 +499,45 @@ class _ClosingTransport(_Transport):
         self.closing = True
 
 
-async def test_a_head_leaves_with_what_follows_it_in_its_tick_or_alone_at_the_tick_end() -> None:
-    """What a cycle writes after its head in the same tick joins it in one write; a head with
-    nothing after it goes out when the tick ends; close() writes it first; a transport that
-    is closing gets nothing; and each cycle then writes to its transport directly."""
-    loop = asyncio.get_running_loop()
-    cycles: list[Any] = [_Cycle() for _ in range(4)]
-    raws = [_ClosingTransport() for _ in cycles]
-    for cycle, raw in zip(cycles, raws, strict=True):
-        cycle.transport = HeldHead(cycle, cast(Any, raw), loop)
-    (whole, stream, closed, gone), (whole_raw, stream_raw, closed_raw, gone_raw) = cycles, raws
-
-    whole.transport.write(b"head")
-    whole.transport.write(b"body")
-    assert whole_raw.written == [b"headbody"]
-    assert whole.transport is whole_raw
-
-    stream.transport.write(b"head")
-    assert stream_raw.written == []
-    closed.transport.write(b"head")
-    closed.transport.close()
-    assert closed_raw.written == [b"head"]
-    assert closed_raw.closing
-    gone.transport.write(b"head")
-    gone_raw.closing = True
-    await asyncio.sleep(0)
-    assert stream_raw.written == [b"head"]
-    assert stream.transport is stream_raw
-    assert gone_raw.written == []
-
-
-def _uvicorn_cycle(
-    loop: asyncio.AbstractEventLoop,
-    *,
-    keep_alive: bool = True,
-    method: str = "POST",
-    access_log: bool = False,
-) -> tuple[RequestResponseCycle, _ClosingTransport, list[str]]:
-    """uvicorn's own response cycle on a recording transport, held as the gateway holds it."""
+def _exchange(
+    loop: asyncio.AbstractEventLoop, *, keep_alive: bool = True, method: str = "POST"
+) -> tuple[Exchange, _ClosingTransport, list[str]]:
+    """An exchange on a recording transport, as the protocol builds one."""
     raw = _ClosingTransport()
     responded: list[str] = []
-    logger = logging.getLogger("test.cycle")
-    cycle = RequestResponseCycle(
-        scope=cast(
-            Any,
-            {
-                "method": method,
-                "type": "http",
-                "path": "/v1/chat/completions",
-                "raw_path": b"/v1/chat/completions",
-                "query_string": b"",
-                "http_version": "1.1",
-                "client": ("127.0.0.1", 5000),
-            },
-        ),
-        transport=cast(Any, raw),
-        flow=FlowControl(cast(Any, raw)),
-        logger=logger,
-        access_logger=logger,
-        access_log=access_log,
-        default_headers=[(b"date", b"Sun, 06 Dec 2026 07:00:00 GMT")],
-        message_event=asyncio.Event(),
+    exchange = Exchange(
+        {"type": "http", "method": method, "path": "/v1/chat/completions"},
+        cast(Any, raw),
+        FlowControl(cast(Any, raw)),
+        loop,
+        [(b"date", b"Sun, 06 Dec 2026 07:00:00 GMT")],
         expect_100_continue=False,
         keep_alive=keep_alive,
         on_response=lambda: responded.append("done"),
     )
-    cycle.transport = cast(Any, HeldHead(cycle, cast(Any, raw), loop))
-    return cycle, raw, responded
+    return exchange, raw, responded
+
+
+def _uvicorn_cycle(
+    loop: asyncio.AbstractEventLoop, *, keep_alive: bool, method: str
+) -> tuple[RequestResponseCycle, _ClosingTransport]:
+    """uvicorn's own response cycle on a recording transport: the reference framing."""
+    raw = _ClosingTransport()
+    logger = logging.getLogger("test.cycle")
+    cycle = RequestResponseCycle(
+        scope=cast(Any, {"type": "http", "method": method, "path": "/", "http_version": "1.1"}),
+        transport=cast(Any, raw),
+        flow=UvicornFlow(cast(Any, raw)),
+        logger=logger,
+        access_logger=logger,
+        access_log=False,
+        default_headers=[(b"date", b"Sun, 06 Dec 2026 07:00:00 GMT")],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: None,
+    )
+    return cycle, raw
 
 
 _ANSWER = b'{"id":"chatcmpl-1"}'
@@ -569,45 +546,94 @@ _HEADERS = [
     (b"content-type", b"application/json"),
     (b"x-request-id", b"req-1"),
 ]
+_RESPONSES: dict[str, tuple[str, int, list[tuple[bytes, bytes]], list[tuple[bytes, bool]]]] = {
+    "json": ("POST", 200, _HEADERS, [(_ANSWER, False)]),
+    "json in parts": ("POST", 200, _HEADERS, [(_ANSWER[:5], True), (_ANSWER[5:], False)]),
+    "stream": (
+        "POST",
+        200,
+        [(b"content-type", b"text/event-stream")],
+        [(b"data: 1\n\n", True), (b"", True), (b"data: [DONE]\n\n", False)],
+    ),
+    "HEAD": ("HEAD", 200, _HEADERS, [(b"", False)]),
+    "no content": ("POST", 204, [], [(b"", False)]),
+    "close": ("POST", 400, [*_HEADERS, (b"Connection", b"close")], [(_ANSWER, False)]),
+}
 
 
-@pytest.mark.parametrize(
-    ("keep_alive", "access_log"), [(True, False), (False, False), (True, True)]
-)
-async def test_a_whole_answer_is_the_bytes_send_writes_in_one_write(
-    keep_alive: bool, access_log: bool, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Written past ``send``, an answer is byte for byte what uvicorn's ``send`` writes for its
-    two messages, in one write, and the cycle ends as ``send`` leaves it: complete, its
-    request event set, the protocol told, a connection that is not kept alive closed, the
-    same access-log line where uvicorn logs one."""
+@pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize("case", sorted(_RESPONSES))
+async def test_send_frames_a_response_as_uvicorn_frames_it(case: str, keep_alive: bool) -> None:
+    """The bytes ``send`` writes for a response, and whether the connection is then closed,
+    are uvicorn's own, byte for byte: the head (lowered names, ``connection: close``,
+    chunked framing where no length is given) and the body's framing."""
     loop = asyncio.get_running_loop()
-    caplog.set_level(logging.INFO, logger="test.cycle")
-    through_send, sent_raw, sent_done = _uvicorn_cycle(
-        loop, keep_alive=keep_alive, access_log=access_log
-    )
+    method, status, headers, parts = _RESPONSES[case]
+    exchange, raw, done = _exchange(loop, keep_alive=keep_alive, method=method)
+    cycle, reference = _uvicorn_cycle(loop, keep_alive=keep_alive, method=method)
+    for sender in (exchange.send, cycle.send):
+        await sender({"type": "http.response.start", "status": status, "headers": headers})
+        for body, more in parts:
+            await sender({"type": "http.response.body", "body": body, "more_body": more})
+    await asyncio.sleep(0)
+    assert b"".join(raw.written) == b"".join(reference.written)
+    assert raw.closing == reference.closing
+    assert exchange.response_complete
+    assert done == ["done"]
+
+
+async def test_a_head_leaves_with_what_follows_it_in_its_tick_or_alone_at_the_tick_end() -> None:
+    """What a response writes after its head in the same tick joins it in one write; a head
+    with nothing after it goes out when the tick ends; closing writes it first; a transport
+    that is closing gets nothing."""
+    loop = asyncio.get_running_loop()
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    (whole, whole_raw, _), (stream, stream_raw, _) = _exchange(loop), _exchange(loop)
+    (closed, closed_raw, _), (gone, gone_raw, _) = _exchange(loop), _exchange(loop)
+    for exchange in (whole, stream, closed, gone):
+        await exchange.send(start)
+
+    await whole.send({"type": "http.response.body", "body": b"body", "more_body": True})
+    assert len(whole_raw.written) == 1
+    assert whole_raw.written[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert whole_raw.written[0].endswith(b"\r\n\r\n4\r\nbody\r\n")
+    assert stream_raw.written == []
+    closed.close()
+    assert len(closed_raw.written) == 1
+    assert closed_raw.closing
+    gone_raw.closing = True
+    await asyncio.sleep(0)
+    assert len(stream_raw.written) == 1
+    assert stream_raw.written[0].endswith(b"\r\n\r\n")
+    assert gone_raw.written == []
+    assert len(whole_raw.written) == 1
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_a_whole_answer_is_the_bytes_send_writes_in_one_write(keep_alive: bool) -> None:
+    """Written past ``send``, an answer is byte for byte what ``send`` writes for its two
+    messages, in one write, and the exchange ends as ``send`` leaves it: complete, its
+    ``receive`` told, the protocol told, a connection that is not kept alive closed."""
+    loop = asyncio.get_running_loop()
+    through_send, sent_raw, sent_done = _exchange(loop, keep_alive=keep_alive)
     await through_send.send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
     await through_send.send({"type": "http.response.body", "body": _ANSWER})
-    logged = [record.getMessage() for record in caplog.records]
-    assert len(logged) == access_log
 
-    direct, raw, done = _uvicorn_cycle(loop, keep_alive=keep_alive, access_log=access_log)
-    whole = WholeAnswer.of({"rankgate.response_cycle": weakref.ref(direct)}, direct.send)
+    direct, raw, done = _exchange(loop, keep_alive=keep_alive)
+    whole = WholeAnswer.of({"rankgate.exchange": weakref.ref(direct)}, direct.send)
     assert whole is not None
     assert whole.write(200, _HEADERS, _ANSWER)
     assert raw.written == [b"".join(sent_raw.written)]
     assert raw.written[0].endswith(b"\r\n\r\n" + _ANSWER)
     assert (b"connection: close" in raw.written[0]) is not keep_alive
-    assert direct.transport is cast(Any, raw)
-    for cycle in (through_send, direct):
-        assert cycle.response_started
-        assert cycle.response_complete
-        assert cycle.message_event.is_set()
+    for exchange in (through_send, direct):
+        assert exchange.response_started
+        assert exchange.response_complete
+        assert await exchange.receive() == {"type": "http.disconnect"}
     assert done == sent_done == ["done"]
     assert raw.closing == sent_raw.closing == (not keep_alive)
     await asyncio.sleep(0)
     assert len(raw.written) == 1
-    assert [record.getMessage() for record in caplog.records] == logged * 2
 
 
 @pytest.mark.parametrize(
@@ -632,23 +658,23 @@ async def test_a_whole_answer_leaves_to_send_what_send_must_handle(case: str) ->
     socket, a HEAD request, and any header ``send`` would refuse, lower or frame by: nothing
     is written, so the response goes through ``send`` as it always did."""
     loop = asyncio.get_running_loop()
-    cycle, raw, done = _uvicorn_cycle(loop, method="HEAD" if case == "HEAD" else "POST")
+    exchange, raw, done = _exchange(loop, method="HEAD" if case == "HEAD" else "POST")
     headers = list(_HEADERS)
-    scope = {"rankgate.response_cycle": weakref.ref(cycle)}
+    scope = {"rankgate.exchange": weakref.ref(exchange)}
 
     async def wrapped(message: Any) -> None:
-        await cycle.send(message)
+        await exchange.send(message)
 
     if case == "wrapped send":
         assert WholeAnswer.of(scope, wrapped) is None
         return
-    assert WholeAnswer.of({}, cycle.send) is None
+    assert WholeAnswer.of({}, exchange.send) is None
     if case == "started":
-        cycle.response_started = True
+        exchange.response_started = True
     elif case == "disconnected":
-        cycle.disconnected = True
+        exchange.disconnected = True
     elif case == "write paused":
-        cycle.flow.write_paused = True
+        exchange.flow.write_paused = True
     elif case == "length differs":
         headers[0] = (b"content-length", b"%d" % (len(_ANSWER) + 1))
     elif case == "no length":
@@ -663,27 +689,13 @@ async def test_a_whole_answer_leaves_to_send_what_send_must_handle(case: str) ->
         headers.append((b"x-request-id", b"a\r\nset-cookie: b"))
     elif case == "space in a name":
         headers.append((b"x rank", b"1"))
-    whole = WholeAnswer.of(scope, cycle.send)
+    whole = WholeAnswer.of(scope, exchange.send)
     assert whole is not None
     assert not whole.write(200, headers, _ANSWER)
     await asyncio.sleep(0)
     assert raw.written == []
-    assert not cycle.response_complete
+    assert not exchange.response_complete
     assert done == []
-
-
-async def test_a_whole_answer_follows_what_its_transport_still_holds() -> None:
-    """A ``100 Continue`` written in the same tick as the answer (still held for what follows
-    it) goes out first, then the answer."""
-    cycle, raw, _ = _uvicorn_cycle(asyncio.get_running_loop())
-    cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    whole = WholeAnswer.of({"rankgate.response_cycle": weakref.ref(cycle)}, cycle.send)
-    assert whole is not None
-    assert whole.write(200, _HEADERS, _ANSWER)
-    assert raw.written[0] == b"HTTP/1.1 100 Continue\r\n\r\n"
-    assert raw.written[1].endswith(_ANSWER)
-    await asyncio.sleep(0)
-    assert len(raw.written) == 2
 
 
 def test_an_expecting_client_refused_at_once_gets_the_interim_answer_first(gateway: str) -> None:
@@ -702,3 +714,115 @@ def test_an_expecting_client_refused_at_once_gets_the_interim_answer_first(gatew
     assert interim == b"HTTP/1.1 100 Continue"
     assert final.startswith(b"HTTP/1.1 400 ")
     assert error_code(final.partition(b"\r\n\r\n")[2]) == "invalid_json"
+
+
+async def _echo_scope(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An ASGI app answering with what its server told it of the request."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = b""
+    more = True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    fields = ("type", "http_version", "method", "scheme", "path", "raw_path", "query_string")
+    seen = {name: scope[name] for name in fields}
+    seen["root_path"] = scope["root_path"]
+    seen["headers"] = scope["headers"]
+    seen["body"] = body
+    answer = repr(seen).encode()
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+_REQUESTS = {
+    "plain path": b"GET /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n",
+    "query and escapes": b"GET /a%20b/c?x=1&y=%2F HTTP/1.1\r\nHost: gw\r\nX-Trail: v \t\r\n\r\n",
+    "fragment": b"GET /p#frag HTTP/1.1\r\nhost: gw\r\n\r\n",
+    "absolute form": b"GET http://gw:80/abs/p?q=1 HTTP/1.1\r\nhost: gw\r\n\r\n",
+    "HTTP/1.0": b"POST /v1/x HTTP/1.0\r\ncontent-length: 3\r\n\r\nabc",
+    "chunked body": (
+        b"POST /v1/x HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    ),
+    "HEAD": b"HEAD /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n",
+}
+
+
+def _exchange_once(url: str, request: bytes) -> bytes:
+    """Everything the server writes for ``request`` until it has answered and gone quiet."""
+    with socket.create_connection(address(url)) as sock:
+        sock.sendall(request)
+        sock.settimeout(10)
+        data = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            data += chunk
+            if not chunk:
+                break
+            if b"\r\n\r\n" in data:
+                head, _, body = data.partition(b"\r\n\r\n")
+                lengths = [
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ]
+                if request.startswith(b"HEAD") or (lengths and len(body) >= lengths[0]):
+                    sock.settimeout(0.2)
+    return data
+
+
+def test_a_request_reaches_the_app_as_uvicorn_presents_it() -> None:
+    """What the app is told of a request (method, version, path unescaped, raw path, query,
+    headers as sent but lowered and trimmed, the body however framed) and the answer written
+    back are uvicorn's own, request for request."""
+    answers: dict[str, list[bytes]] = {}
+    for http in (None, "httptools"):
+        with serve_app(_echo_scope, http=http) as url:
+            for name, request in _REQUESTS.items():
+                answer = _exchange_once(url, request)
+                head, _, body = answer.partition(b"\r\n\r\n")
+                lines = [line for line in head.split(b"\r\n") if not line.startswith(b"date:")]
+                answers.setdefault(name, []).append(b"\r\n".join(lines) + b"\r\n\r\n" + body)
+    for name, (ours, theirs) in answers.items():
+        assert ours.startswith(b"HTTP/1.1 200 OK"), (name, ours)
+        assert ours == theirs, name
+
+
+def test_an_upgrade_is_answered_as_plain_http_and_the_connection_closed(gateway: str) -> None:
+    """A request to switch protocols (h2c here, as ``curl --http2`` sends for http://) is
+    answered as HTTP/1.1, which the client must then take, and the connection closes."""
+    request = (
+        b"GET /health HTTP/1.1\r\nhost: gw\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+        b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
+    )
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(request)
+        status, _, closed = read_response(sock)
+    assert status == 200
+    assert closed
+    assert still_serving(gateway)
+
+
+async def test_every_waiting_receive_hears_the_client_leave() -> None:
+    """Two readers waiting on one request after its body (a disconnect listener beside the
+    app, say) both hear the client leave."""
+    exchange, _, _ = _exchange(asyncio.get_running_loop())
+    exchange.body = b"{}"
+    exchange.more_body = False
+    exchange.notify()
+    assert await exchange.receive() == {"type": "http.request", "body": b"{}", "more_body": False}
+    readers = [asyncio.create_task(exchange.receive()) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert not any(reader.done() for reader in readers)
+    exchange.disconnected = True
+    exchange.notify()
+    assert await asyncio.wait_for(asyncio.gather(*readers), 5) == [{"type": "http.disconnect"}] * 2
