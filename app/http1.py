@@ -800,9 +800,14 @@ class Http1Protocol(asyncio.Protocol):
             exchange.more_body = False
             exchange.notify()
         self._reading = None
-        # The response is the app's to time; the next head's bytes count from here.
-        self._deadline = 0.0
         self._in_head = True
+        if exchange is not None and exchange is self.cycle and exchange.response_complete:
+            # Answered before its body was in (a refusal): the connection now waits for its
+            # next request, as it would have from the answer on.
+            self._wait_for_next()
+        else:
+            # The response is the app's to time; the next head's bytes count from here.
+            self._deadline = 0.0
         if not self.pipeline:
             # A body over the high-water mark paused reading until the app read it; the
             # connection is read on, so that a client that leaves is seen leaving. (Reading
@@ -824,12 +829,17 @@ class Http1Protocol(asyncio.Protocol):
             self._start(exchange)
             return
         if self._in_head:
-            self._waiting_since = now = self.loop.time()
-            if self._head_bytes:
-                self._deadline = now + self.limits.header_timeout
-            else:
-                self._keeping_alive = True
-                self._deadline = now + self.limits.keepalive_timeout
+            self._wait_for_next()
+
+    def _wait_for_next(self) -> None:
+        """Start the wait for the next request: the keep-alive deadline, or the header
+        deadline for a head already begun."""
+        self._waiting_since = now = self.loop.time()
+        if self._head_bytes:
+            self._deadline = now + self.limits.header_timeout
+        else:
+            self._keeping_alive = True
+            self._deadline = now + self.limits.keepalive_timeout
 
     def shutdown(self) -> None:
         """Called by the server to begin a graceful shutdown."""
@@ -885,6 +895,13 @@ class Http1Protocol(asyncio.Protocol):
                 f"The request's headers did not arrive within {self.limits.header_timeout:g}s.",
                 "request_timeout",
             )
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete:
+            # Answered already (refused at its head): a second answer would be unasked for.
+            self._refused = True
+            self._deadline = 0.0
+            self.transport.close()
             return
         log.info("closed a connection whose request body was not complete in time")
         self._refuse(

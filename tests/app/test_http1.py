@@ -227,6 +227,31 @@ def test_an_idle_keepalive_connection_is_closed(gateway: str) -> None:
     assert time.monotonic() - started < LIMITS.keepalive_timeout + 3
 
 
+def test_a_connection_answered_before_its_body_ended_is_closed_when_idle(gateway: str) -> None:
+    """A request refused at its head (415 here) whose body then arrives leaves an idle
+    keep-alive connection, which is closed at the keep-alive deadline like any other."""
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head(length=len(BODY)).replace(b"application/json", b"text/plain"))
+        status, _, closed = read_response(sock, timeout=0.3)
+        assert (status, closed) == (415, False)
+        sock.sendall(BODY)
+        started = time.monotonic()
+        sock.settimeout(LIMITS.keepalive_timeout + 5)
+        assert sock.recv(1) == b""
+    assert time.monotonic() - started < LIMITS.keepalive_timeout + 3
+
+
+def test_a_request_answered_before_its_body_gets_no_second_answer(gateway: str) -> None:
+    """A request refused at its head whose body never comes is not answered again (408) at
+    the body deadline: its connection is closed."""
+    with socket.create_connection(address(gateway)) as sock:
+        sock.sendall(head(length=len(BODY)).replace(b"application/json", b"text/plain"))
+        status, _, _ = read_response(sock, timeout=0.3)
+        assert status == 415
+        sock.settimeout(LIMITS.body_timeout + 5)
+        assert sock.recv(65536) == b""
+
+
 def test_requests_on_one_keepalive_connection_still_work(gateway: str) -> None:
     with socket.create_connection(address(gateway)) as sock:
         for _ in range(3):
