@@ -52,7 +52,12 @@ def test_the_compiled_router_passes_the_routing_tests(tmp_path: Path) -> None:
             )
         else:
             shutil.copy(source, tmp_path / name)
-    env = {**os.environ, "RANKGATE_COMPILE": "1", "PYTHONPATH": str(tmp_path)}
+    env = {
+        **os.environ,
+        "RANKGATE_COMPILE": "1",
+        "RANKGATE_COMPILE_OPT": "0",
+        "PYTHONPATH": str(tmp_path),
+    }
     build = subprocess.run(
         [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
         cwd=tmp_path,
