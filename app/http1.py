@@ -198,6 +198,15 @@ class Exchange:
         if self._event is not None:
             self._event.set()
 
+    def client_left(self) -> None:
+        """The client is gone before the response was complete: ``send`` drops what follows,
+        ``receive`` says so, and the request's :class:`DisconnectNotice` fires."""
+        self.disconnected = True
+        self.notify()
+        notice = self.scope.get(DISCONNECT_NOTICE)
+        if notice is not None:
+            notice.fire()
+
     def write(self, data: bytes) -> None:
         """Write ``data``, after the head still held for it."""
         held = self._held
@@ -480,12 +489,6 @@ class WholeAnswer:
         return True
 
 
-def _client_left(exchange: Exchange) -> None:
-    notice = exchange.scope.get(DISCONNECT_NOTICE)
-    if notice is not None:
-        notice.fire()
-
-
 class _HeadTooLarge(Exception):
     pass
 
@@ -634,13 +637,8 @@ class Http1Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
         cycle = self.cycle
-        if cycle is not None:
-            if not cycle.response_complete:
-                cycle.disconnected = True
-                _client_left(cycle)
-            cycle.notify()
-        for queued in self.pipeline:
-            queued.disconnected = True
+        if cycle is not None and not cycle.response_complete:
+            cycle.client_left()
         if self.flow is not None:
             self.flow.resume_writing()
         if exc is None:
@@ -875,9 +873,7 @@ class Http1Protocol(asyncio.Protocol):
         cycle = self.cycle
         answered = cycle is not None and cycle.response_started and not cycle.response_complete
         if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
-            cycle.notify()
-            _client_left(cycle)
+            cycle.client_left()
         if not answered and not self.transport.is_closing():
             self.transport.write(_answer(status, message, code, self.server_state.default_headers))
         self.transport.close()
