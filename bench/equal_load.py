@@ -27,8 +27,10 @@ The engine (``--engine``) is our mock (KV events on), or a fake in another runti
 one engine's costs and timing alone.
 
 The gateways alternate within each rate, and the order flips every round (``--rounds``); the
-table gives each figure's median over the rounds and the Rankgate / vllm-router ratio of the
-medians. Saturation figures come from ``bench/peers_overhead.py``.
+table gives each figure's median over the rounds. The machine drifts between rounds by as much
+as a change is worth, so the Rankgate / vllm-router ratio is taken within each round (the two
+gateways' runs minutes apart) and the table gives the median of those ratios, with their range
+in brackets. Saturation figures come from ``bench/peers_overhead.py``.
 
     scripts/in-netns .venv/bin/python bench/equal_load.py [--rounds 3] [--markdown]
 """
@@ -227,10 +229,22 @@ def report(
     def med(runs: list[Fixed], figure: str) -> float:
         return float(statistics.median(float(getattr(run, figure)) for run in runs))
 
+    def slopes(name: str, fraction: float) -> list[float]:
+        """Each round's CPU per streamed token: long and short streams of one gateway process."""
+        pairs = zip(paced[(name, fraction, "short")], paced[(name, fraction, "long")], strict=True)
+        span = args.long_tokens - args.short_tokens
+        return [(long.per_request - short.per_request) / span for short, long in pairs]
+
     def per_token(name: str, fraction: float) -> float:
-        short = med(paced[(name, fraction, "short")], "per_request")
-        long = med(paced[(name, fraction, "long")], "per_request")
-        return float((long - short) / (args.long_tokens - args.short_tokens))
+        return float(statistics.median(slopes(name, fraction)))
+
+    def paired(ours: list[float], theirs: list[float]) -> str:
+        """The median of the rounds' own ratios, and their range."""
+        ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b > 0]
+        if not ratios:
+            return "n/a"
+        median = statistics.median(ratios)
+        return f"{median:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
     rows = []
     for fraction in args.fractions:
@@ -247,19 +261,13 @@ def report(
                     f"{med(paced[(name, fraction, 'long')], 'utilisation'):.0%}",
                 ]
             )
-        ours = rows[-2]
-        theirs = rows[-1]
-        rows.append(
-            [
-                "",
-                "ratio",
-                f"{float(ours[2]) / float(theirs[2]):.2f}x",
-                "",
-                "",
-                f"{float(ours[5]) / float(theirs[5]):.2f}x",
-                "",
-            ]
+        ours, theirs = GATEWAYS
+        requests = paired(
+            [run.per_request for run in plain[(ours, fraction, "short")]],
+            [run.per_request for run in plain[(theirs, fraction, "short")]],
         )
+        tokens = paired(slopes(ours, fraction), slopes(theirs, fraction))
+        rows.append(["", "ratio", requests, "", "", tokens, ""])
     head = (
         "rate (of vllm-router's saturation)", "gateway", "CPU ms / request", "core",
         "mean request ms", "CPU us / streamed token", "core (long streams)",

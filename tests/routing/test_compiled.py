@@ -25,11 +25,20 @@ TESTS = (
     "tests/routing/test_hashing.py",
     "tests/routing/test_index.py",
 )
-# Minutes of simulated agent traffic that the pure run already checks, on the routing code
-# the other simulations run compiled.
+# Simulations the pure run already checks, on the routing code the narrower ones run
+# compiled: minutes of agent traffic, and the widest engines (the same decisions per request,
+# over more ranks).
+_SHAPE = "tests/routing/test_production_shape.py::"
 SKIP = (
-    "tests/routing/test_production_shape.py"
-    "::test_agent_sessions_keep_their_histories_and_their_share",
+    f"{_SHAPE}test_agent_sessions_keep_their_histories_and_their_share",
+    *(
+        f"{_SHAPE}{test}[{dp}]"
+        for test in (
+            "test_no_rank_takes_more_than_its_share_bound_under_skewed_traffic",
+            "test_spreading_keeps_the_cache_hits_and_the_first_token_times",
+        )
+        for dp in (16, 32)
+    ),
 )
 
 pytestmark = pytest.mark.timeout(600)
