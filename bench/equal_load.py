@@ -210,12 +210,16 @@ def measure(args: argparse.Namespace, paced: bool) -> dict[tuple[str, float, str
             for name in order:
                 with ExitStack() as own:
                     gateway = start(name, own, engine, args)
+                    requests: dict[str, dict[str, object]] = {}
                     for length in lengths:
                         asyncio.run(po.check(gateway, engine.model, paced, tokens[length]))
-                        request = po.body(engine.model, paced, tokens[length])
-                        fixed_rate(gateway, request, saturated * 0.25, args)  # warm-up
-                        for fraction in args.fractions:
-                            run = fixed_rate(gateway, request, saturated * fraction, args)
+                        requests[length] = po.body(engine.model, paced, tokens[length])
+                        fixed_rate(gateway, requests[length], saturated * 0.25, args)  # warm-up
+                    # A rate's short and long streams back to back: the per-token figure is
+                    # their difference, which drift between them would swamp.
+                    for fraction in args.fractions:
+                        for length in lengths:
+                            run = fixed_rate(gateway, requests[length], saturated * fraction, args)
                             out.setdefault((name, fraction, length), []).append(run)
                 print(f"{name}: round {k + 1} done", flush=True)
     return out
