@@ -3,8 +3,8 @@
 At saturation the gateway that is not saturated spends more CPU per request (fewer requests
 per wake-up), so a comparison where one runs its core at 97% and the other at 65% flatters the
 busier one. Here both are offered the same fixed rates: fractions (``--fractions``) of
-vllm-router's own saturation rate, measured first in the same run. Each gateway runs alone,
-pinned to ``--gateway-cpu``, in front of one engine (DP=2) that shares
+vllm-router's own saturation rate, measured first in the same run. Both gateways are pinned
+to ``--gateway-cpu`` and take turns at each rate, in front of one engine (DP=2) that shares
 ``--engine-cpu`` with the load generator (``h2load --rps``: ``--clients`` connections, or
 ``--stream-clients`` for streams, each sending its share of the rate). Per rate and gateway:
 
@@ -26,11 +26,14 @@ The engine (``--engine``) is our mock (KV events on), or a fake in another runti
 (``bench/node_engine.mjs``: Node's HTTP/2 server, no KV events) so the figures do not rest on
 one engine's costs and timing alone.
 
-The gateways alternate within each rate, and the order flips every round (``--rounds``); the
-table gives each figure's median over the rounds. The machine drifts between rounds by as much
-as a change is worth, so the Rankgate / vllm-router ratio is taken within each round (the two
-gateways' runs minutes apart) and the table gives the median of those ratios, with their range
-in brackets. Saturation figures come from ``bench/peers_overhead.py``.
+The machine drifts, within minutes, by as much as a change is worth. So both gateways stay up
+through a round (a fresh pair each round) and take ``--turns`` turns each at every rate,
+alternating, the order flipping every turn and round: a Rankgate run and the vllm-router run
+beside it are seconds apart. The table gives each figure's median over all turns, and the
+Rankgate / vllm-router ratio is taken within each pair of turns: the median of those ratios,
+with their range in brackets. In front of the mock the idle gateway still takes the KV events
+the busy one's traffic makes, on the same core but on its own account.
+Saturation figures come from ``bench/peers_overhead.py``.
 
     scripts/in-netns .venv/bin/python bench/equal_load.py [--rounds 3] [--markdown]
 """
@@ -206,22 +209,30 @@ def measure(args: argparse.Namespace, paced: bool) -> dict[tuple[str, float, str
         print(f"{'paced' if paced else 'non-streaming'}: vllm-router saturates at "
               f"{saturated:.0f} req/s", flush=True)  # fmt: skip
         for k in range(args.rounds):
-            order = list(GATEWAYS) if k % 2 == 0 else list(reversed(GATEWAYS))
-            for name in order:
-                with ExitStack() as own:
-                    gateway = start(name, own, engine, args)
-                    requests: dict[str, dict[str, object]] = {}
-                    for length in lengths:
+            with ExitStack() as own:
+                # Both gateways live through the round, on the same core, and take turns:
+                # the idle one's background work is about 1% of the core, and runs of the
+                # two at one rate are seconds apart, not minutes.
+                gateways = {name: start(name, own, engine, args) for name in GATEWAYS}
+                requests: dict[str, dict[str, object]] = {}
+                for length in lengths:
+                    requests[length] = po.body(engine.model, paced, tokens[length])
+                    for gateway in gateways.values():
                         asyncio.run(po.check(gateway, engine.model, paced, tokens[length]))
-                        requests[length] = po.body(engine.model, paced, tokens[length])
                         fixed_rate(gateway, requests[length], saturated * 0.25, args)  # warm-up
-                    # A rate's short and long streams back to back: the per-token figure is
-                    # their difference, which drift between them would swamp.
-                    for fraction in args.fractions:
-                        for length in lengths:
-                            run = fixed_rate(gateway, requests[length], saturated * fraction, args)
-                            out.setdefault((name, fraction, length), []).append(run)
-                print(f"{name}: round {k + 1} done", flush=True)
+                for fraction in args.fractions:
+                    for turn_index in range(args.turns):
+                        turn = GATEWAYS if (k + turn_index) % 2 == 0 else GATEWAYS[::-1]
+                        for name in turn:
+                            # A rate's short and long streams back to back: the per-token
+                            # figure is their difference, which drift between them would
+                            # swamp.
+                            for length in lengths:
+                                run = fixed_rate(
+                                    gateways[name], requests[length], saturated * fraction, args
+                                )
+                                out.setdefault((name, fraction, length), []).append(run)
+            print(f"round {k + 1} done", flush=True)
     return out
 
 
@@ -234,7 +245,7 @@ def report(
         return float(statistics.median(float(getattr(run, figure)) for run in runs))
 
     def slopes(name: str, fraction: float) -> list[float]:
-        """Each round's CPU per streamed token: long and short streams of one gateway process."""
+        """Each turn's CPU per streamed token: its long streams' CPU less its short ones'."""
         pairs = zip(paced[(name, fraction, "short")], paced[(name, fraction, "long")], strict=True)
         span = args.long_tokens - args.short_tokens
         return [(long.per_request - short.per_request) / span for short, long in pairs]
@@ -243,7 +254,7 @@ def report(
         return float(statistics.median(slopes(name, fraction)))
 
     def paired(ours: list[float], theirs: list[float]) -> str:
-        """The median of the rounds' own ratios, and their range."""
+        """The median of the ratios of turns taken side by side, and their range."""
         ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b > 0]
         if not ratios:
             return "n/a"
@@ -278,7 +289,10 @@ def report(
     )  # fmt: skip
     arrivals = "Poisson arrivals" if args.arrivals == "poisson" else "h2load --rps"
     prompts = ", unique prompts" if args.unique else ""
-    title = f"equal load, {args.rounds} rounds, {args.engine} engine, {arrivals}{prompts}"
+    title = (
+        f"equal load, {args.rounds} rounds of {args.turns} turns, {args.engine} engine, "
+        f"{arrivals}{prompts}"
+    )
     print(peers.table(head, rows, title, args.markdown))
 
 
@@ -300,6 +314,12 @@ def main() -> None:
     parser.add_argument("--engine-cpu", default="0", help="taskset list: engine and h2load")
     parser.add_argument("--tokenizer", choices=("llama-32k", "tiny"), default="llama-32k")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=3,
+        help="turns per gateway at each rate within a round, alternating",
+    )
     parser.add_argument(
         "--engine",
         choices=("mock", "node"),
