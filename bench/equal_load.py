@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import re
 import statistics
@@ -220,18 +221,14 @@ def measure(args: argparse.Namespace, paced: bool) -> dict[tuple[str, float, str
                     for gateway in gateways.values():
                         asyncio.run(po.check(gateway, engine.model, paced, tokens[length]))
                         fixed_rate(gateway, requests[length], saturated * 0.25, args)  # warm-up
-                for fraction in args.fractions:
-                    for turn_index in range(args.turns):
-                        turn = GATEWAYS if (k + turn_index) % 2 == 0 else GATEWAYS[::-1]
-                        for name in turn:
-                            # A rate's short and long streams back to back: the per-token
-                            # figure is their difference, which drift between them would
-                            # swamp.
-                            for length in lengths:
-                                run = fixed_rate(
-                                    gateways[name], requests[length], saturated * fraction, args
-                                )
-                                out.setdefault((name, fraction, length), []).append(run)
+                for fraction, turn in itertools.product(args.fractions, range(args.turns)):
+                    rate = saturated * fraction
+                    order = GATEWAYS if (k + turn) % 2 == 0 else GATEWAYS[::-1]
+                    # A gateway's short and long streams back to back: the per-token figure is
+                    # their difference, which drift between them would swamp.
+                    for name, length in itertools.product(order, lengths):
+                        run = fixed_rate(gateways[name], requests[length], rate, args)
+                        out.setdefault((name, fraction, length), []).append(run)
             print(f"round {k + 1} done", flush=True)
     return out
 
