@@ -331,12 +331,14 @@ def start_rankgate(
     cpus: str | None = None,
     poll: float = 0.25,
     tree: Path | None = None,
+    python: str = sys.executable,
 ) -> Gateway:
     """``tree``: a source tree to serve from instead of this one (``python -m`` puts its
-    working directory first on the path, so the tree is where it runs)."""
+    working directory first on the path, so the tree is where it runs); ``python``: the
+    interpreter, which must have Rankgate's dependencies installed."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "rankgate.app.cli", "serve", "--engine", engine.target,
+        python, "-m", "rankgate.app.cli", "serve", "--engine", engine.target,
         "--port", str(port), "--tokenizer", str(engine.model_dir), "--policy", policy,
         "--log-level", "warning", *extra,
     ]  # fmt: skip

@@ -10,7 +10,9 @@ same rate, for scale, and ``floor`` a bare ASGI app under the gateway's own HTTP
 (:mod:`http_floor`), what a request costs before the gateway does anything (``floor:SERVER``
 the same answer behind another HTTP server). ``TREE+ARGS``
 serves ``TREE`` with extra ``rankgate serve`` arguments, comma-separated
-(``.+--policy,round_robin``): one feature switched off against the same tree.
+(``.+--policy,round_robin``): one feature switched off against the same tree, and
+``TREE@PYTHON`` serves it under another interpreter with the dependencies installed (one
+Python against another; a compiled tree holds modules built for one of them).
 
 Make the trees with ``git worktree add /tmp/before REV`` (and a compiled one with
 ``RANKGATE_COMPILE=1 python setup.py build_ext --inplace`` inside it)::
@@ -117,6 +119,7 @@ def start(stack: ExitStack, engine: peers.Engine, spec: str, cpus: str) -> peers
         peers.wait_http(url, [proc], "/ready")
         return peers.Gateway(f"http floor ({server})", url, [proc.pid])
     tree, _, extra = spec.partition("+")
+    tree, _, python = tree.partition("@")
     return peers.start_rankgate(
         stack,
         engine,
@@ -124,6 +127,7 @@ def start(stack: ExitStack, engine: peers.Engine, spec: str, cpus: str) -> peers
         extra.split(",") if extra else (),
         cpus=cpus,
         tree=Path(tree).resolve(),
+        python=python or sys.executable,
     )
 
 
@@ -132,7 +136,8 @@ def main() -> None:
     parser.add_argument(
         "trees",
         nargs="+",
-        help="source trees (TREE+ARG,ARG adds serve arguments), router, floor[:SERVER]",
+        help="source trees (TREE@PYTHON picks the interpreter, TREE+ARG,ARG adds serve arguments), "
+        "router, floor[:SERVER]",
     )
     parser.add_argument("--rate", type=float, default=1500.0, help="requests a second")
     parser.add_argument("--seconds", type=float, default=8.0, help="per run")
