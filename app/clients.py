@@ -188,6 +188,7 @@ class ClientWatch:
         self.stall_timeout = stall_timeout
         self._streams: set[_Cycle] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.disconnects = 0
         self.stalls = 0
 
@@ -195,7 +196,13 @@ class ClientWatch:
         if scope["type"] != "http" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        task = asyncio.current_task()
+        # The loop is asked for once: on Python 3.11 every get_running_loop(), the one inside
+        # a bare current_task() included, is a getpid() system call.
+        loop = self._loop
+        task = asyncio.current_task(loop) if loop is not None else None
+        if task is None:
+            loop = self._loop = asyncio.get_running_loop()
+            task = asyncio.current_task(loop)
         assert task is not None
         whole = WholeAnswer.of(scope, send)
         cycle = _Cycle(

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import re
 import socket
 import urllib.parse
 import weakref
@@ -66,9 +65,23 @@ from rankgate.app.errors import ApiError
 
 log = logging.getLogger(__name__)
 
-# A response header name or value that would break the framing.
-HEADER_RE = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
-HEADER_VALUE_RE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+# The bytes a response header name or value may hold without breaking the framing (those
+# uvicorn lets through). ``bytes.translate`` deleting them leaves only the offending ones: one
+# table lookup a byte, where a regular expression's character class cost ten times that.
+_NAME_BYTES = bytes(
+    b for b in range(256) if b > 0x1F and b != 0x7F and b not in b'()<>@,;:[]={} \\"'
+)
+_VALUE_BYTES = bytes(b for b in range(256) if b == 0x09 or (b > 0x1F and b != 0x7F))
+
+
+def bad_header_name(name: bytes) -> bool:
+    return bool(name.translate(None, _NAME_BYTES))
+
+
+def bad_header_value(value: bytes) -> bool:
+    return bool(value.translate(None, _VALUE_BYTES))
+
+
 # Buffered request body past which the connection is not read until the app reads.
 HIGH_WATER = 65536
 # The scope key of the exchange a request's response goes out on (see ChunkWriter.of).
@@ -313,9 +326,9 @@ class Exchange:
         content = [STATUS_LINE[status]]
         closing = False
         for name, value in (*self.default_headers, *headers):
-            if HEADER_RE.search(name):
+            if bad_header_name(name):
                 raise RuntimeError("Invalid HTTP header name.")
-            if HEADER_VALUE_RE.search(value):
+            if bad_header_value(value):
                 raise RuntimeError("Invalid HTTP header value.")
             name = name.lower()
             if name == b"content-length" and self.chunked_encoding is None:
@@ -474,9 +487,7 @@ class WholeAnswer:
             content += (name, b": ", value, b"\r\n")
         if length != len(body):
             return False
-        if HEADER_RE.search(b"".join(content[1::4])) or HEADER_VALUE_RE.search(
-            b"".join(content[3::4])
-        ):
+        if bad_header_name(b"".join(content[1::4])) or bad_header_value(b"".join(content[3::4])):
             return False
         if not exchange.keep_alive:
             content.append(b"connection: close\r\n")

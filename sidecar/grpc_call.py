@@ -74,6 +74,8 @@ class CallHost(Protocol):
     """The connection a call runs on (:class:`sidecar.http2.Connection`), as the call uses it."""
 
     max_message: int
+    # The loop it runs on, once connected.
+    loop: asyncio.AbstractEventLoop | None
     # Calls with messages for a waiting reader, resolved once the bytes received are parsed.
     ready: list[Call[Any]]
 
@@ -203,8 +205,13 @@ class Call(H2Stream, Generic[T]):
         needs a task of its own (``ensure_future``) gets this future as it is."""
         loop = self._loop
         if loop is None:
-            # Once per call: get_running_loop() makes a getpid() system call each time.
-            loop = self._loop = asyncio.get_running_loop()
+            # Python 3.11's get_running_loop() makes a getpid() system call each time: a call
+            # takes its connection's loop, and asks only when it has none yet.
+            conn = self.conn
+            loop = conn.loop if conn is not None else None
+            if loop is None:
+                loop = asyncio.get_running_loop()
+            self._loop = loop
         future: asyncio.Future[T] = loop.create_future()
         if not self._resolve(future):
             self._waiter = future

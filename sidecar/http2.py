@@ -83,6 +83,7 @@ class Connection(H2Connection[Call[Any]], asyncio.Protocol):
         self._on_closed = on_closed
         self._resend = resend
         self._transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._queued: deque[tuple[Call[Any], bytes, bytes]] = deque()
         # Calls whose waiting reader got messages in the read being handled.
         self.ready: list[Call[Any]] = []
@@ -115,7 +116,7 @@ class Connection(H2Connection[Call[Any]], asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
         self.initiate()
         self.flush()
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._last_recv = loop.time()
         self._keepalive = loop.call_later(KEEPALIVE_TIMEOUT_S, self._tick)
 

@@ -1,10 +1,10 @@
 """Prometheus collectors of the router, one set per registry.
 
-What every routed request adds (its count, prompt and cached tokens, the cached share) is a
-:class:`RouteTally` of plain numbers (``sidecar.plain_metrics``). The rest are counters bumped
-where things happen (a gap, a replay). Sizes that change on every event (index blocks,
-in-flight load) are read only when scraped, through a view the active router installs, so the
-hot paths pay nothing for them.
+What every routed request adds (its count, prompt and cached tokens, the cached share, a spill
+or an affinity outcome) is a :class:`RouteTally` of plain numbers (``sidecar.plain_metrics``).
+The rest are counters bumped where things happen (a gap, a replay). Sizes that change on every
+event (index blocks, in-flight load) are read only when scraped, through a view the active
+router installs, so the hot paths pay nothing for them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,20 @@ from prometheus_client.registry import Collector
 from rankgate.sidecar.plain_metrics import PlainHistogram, merge_count
 
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+SPILLS = "rankgate_routing_spills"
+AFFINITY = "rankgate_routing_affinity"
+# The outcome counters of a routed request: family -> (help, the outcome's label).
+_OUTCOMES = {
+    SPILLS: (
+        "Requests sent away from their best-cached rank by the hot-prefix or capacity guard.",
+        "reason",
+    ),
+    AFFINITY: (
+        "Requests naming a conversation the router remembered: sent where it went before "
+        "(followed), or elsewhere because that rank's load outweighed it (yielded).",
+        "outcome",
+    ),
+}
 
 
 class RankSnapshot(msgspec.Struct, frozen=True, gc=False):
@@ -140,6 +154,8 @@ class RouteTally(Collector):
         self.routed: dict[tuple[str, str, str], list[float]] = {}
         self.prompt: dict[tuple[str, str], list[float]] = {}
         self.cached: dict[tuple[str, str], list[float]] = {}
+        # (family, side, outcome) -> [requests, created]
+        self.outcomes: dict[tuple[str, str, str], list[float]] = {}
         self.ratios: dict[str, PlainHistogram] = {"": PlainHistogram(RATIO_BUCKETS)}
 
     def for_side(self, side: str) -> RouteTally:
@@ -162,6 +178,11 @@ class RouteTally(Collector):
             self.prompt.setdefault((side, rank), [0, now]),
             self.cached.setdefault((side, rank), [0, now]),
         )
+
+    def outcome(self, family: str, value: str) -> list[float]:
+        """The ``[requests, created]`` of one outcome series of ``family`` (a spill's reason,
+        an affinity's outcome), shown (at 0) from now on: its owner adds to ``[0]``."""
+        return self.outcomes.setdefault((family, self.side, value), [0, time.time()])
 
     def count(self, policy: str, rank: str) -> None:
         """One request routed by a policy that neither chose nor measured a prefix."""
@@ -194,6 +215,13 @@ class RouteTally(Collector):
             for (where, rank), (value, created) in list(series.items()):
                 family.add_metric([rank, *self._tail(where)], value, created=created)
             yield family
+        outcomes = list(self.outcomes.items())
+        for name, (doc, label) in _OUTCOMES.items():
+            family = CounterMetricFamily(name, doc, labels=[label, *side])
+            for (of, where, outcome), (count, created) in outcomes:
+                if of == name:
+                    family.add_metric([outcome, *self._tail(where)], count, created=created)
+            yield family
         ratio = HistogramMetricFamily(
             "rankgate_routing_cached_prefix_ratio",
             "Share of each routed prompt the chosen rank was believed to hold.",
@@ -213,6 +241,7 @@ class RouteTally(Collector):
             "routed": [[*key, *value] for key, value in list(self.routed.items())],
             "prompt": [[*key, *value] for key, value in list(self.prompt.items())],
             "cached": [[*key, *value] for key, value in list(self.cached.items())],
+            "outcomes": [[*key, *value] for key, value in list(self.outcomes.items())],
             "ratio": {side: h.state() for side, h in list(self.ratios.items())},
         }
 
@@ -225,6 +254,8 @@ class RouteTally(Collector):
             merge_count(self.prompt, (side, rank), value, created)
         for side, rank, value, created in state["cached"]:
             merge_count(self.cached, (side, rank), value, created)
+        for family, side, outcome, value, created in state["outcomes"]:
+            merge_count(self.outcomes, (family, side, outcome), value, created)
         for side, histogram in state["ratio"].items():
             self.ratios.setdefault(side, PlainHistogram(RATIO_BUCKETS)).merge(histogram)
             self.sided = self.sided or bool(side)
@@ -282,7 +313,7 @@ class RoutingMetrics:
     """All routing collectors; build with :func:`routing_metrics` to share one per registry."""
 
     FAMILIES = (
-        "spills", "affinity", "event_batches", "event_turns", "events", "event_sequence",
+        "event_batches", "event_turns", "events", "event_sequence",
         "event_lag", "gaps", "replays", "purges", "rejected", "intake_up", "intake_restarts",
     )  # fmt: skip
 
@@ -293,19 +324,6 @@ class RoutingMetrics:
         self.tally = RouteTally(sided)
         registry.register(self.tally)
         self.regret = RegretMetrics(registry, sided)
-        self.spills: CounterLike = Counter(
-            "rankgate_routing_spills",
-            "Requests sent away from their best-cached rank by the hot-prefix or capacity guard.",
-            ["reason", *side],
-            registry=registry,
-        )
-        self.affinity: CounterLike = Counter(
-            "rankgate_routing_affinity",
-            "Requests naming a conversation the router remembered: sent where it went before "
-            "(followed), or elsewhere because that rank's load outweighed it (yielded).",
-            ["outcome", *side],
-            registry=registry,
-        )
         self.event_batches: CounterLike = Counter(
             "rankgate_kv_event_batches",
             "KV-event batches applied, by rank and origin (live or replay).",

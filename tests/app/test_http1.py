@@ -19,10 +19,17 @@ import httpx
 import orjson
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl as UvicornFlow
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, RequestResponseCycle
 
 from rankgate.app.connections import ConnectionLimits
-from rankgate.app.http1 import ChunkWriter, Exchange, FlowControl, WholeAnswer
+from rankgate.app.http1 import (
+    ChunkWriter,
+    Exchange,
+    FlowControl,
+    WholeAnswer,
+    bad_header_name,
+    bad_header_value,
+)
 from rankgate.app.server import create_app
 from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
@@ -584,6 +591,17 @@ _RESPONSES: dict[str, tuple[str, int, list[tuple[bytes, bytes]], list[tuple[byte
     "no content": ("POST", 204, [], [(b"", False)]),
     "close": ("POST", 400, [*_HEADERS, (b"Connection", b"close")], [(_ANSWER, False)]),
 }
+
+
+def test_a_response_header_is_refused_for_the_bytes_uvicorn_refuses() -> None:
+    """Every byte value, alone and inside a name or value, is refused exactly when uvicorn's
+    own expressions refuse it."""
+    for byte in range(256):
+        for text in (bytes([byte]), b"x-a" + bytes([byte]) + b"b"):
+            assert bad_header_name(text) == bool(HEADER_RE.search(text)), text
+            assert bad_header_value(text) == bool(HEADER_VALUE_RE.search(text)), text
+    assert not bad_header_name(b"")
+    assert not bad_header_value(b"")
 
 
 @pytest.mark.parametrize("keep_alive", [True, False])

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from rankgate.sidecar.routing.metrics import RATIO_BUCKETS, RouteTally
+from rankgate.sidecar.routing.metrics import AFFINITY, RATIO_BUCKETS, SPILLS, RouteTally
 
 # (policy, rank, prompt tokens, cached tokens) of each routed request
 ROUTES = [("kv", "0", 17, 16), ("kv", "1", 40, 0), ("kv", "0", 8, 8), ("kv", "1", 0, 0)]
+
+
+def _outcomes(prompt: int, cached: int) -> list[tuple[str, str]]:
+    """What the test counts for a route: a spill when nothing was cached, and an affinity
+    followed when the prompt was cached whole, else yielded."""
+    found = [(SPILLS, "capacity")] if not cached else []
+    return [*found, (AFFINITY, "followed" if cached == prompt else "yielded")]
 
 
 def _tally(routes: list[tuple[str, str, int, int]]) -> RouteTally:
@@ -20,6 +27,9 @@ def _tally(routes: list[tuple[str, str, int, int]]) -> RouteTally:
         counts.cached[0] += cached
         if prompt:
             tally.ratio.observe(cached / prompt)
+        for family, outcome in _outcomes(prompt, cached):
+            tally.outcome(family, outcome)[0] += 1
+    tally.outcome(SPILLS, "hot_prefix")  # shown at 0
     tally.count("engine", "3")
     return tally
 
@@ -50,12 +60,30 @@ def _reference(routes: list[tuple[str, str, int, int]]) -> str:
         buckets=RATIO_BUCKETS,
         registry=registry,
     )
+    outcomes = {
+        SPILLS: Counter(
+            "rankgate_routing_spills",
+            "Requests sent away from their best-cached rank by the hot-prefix or capacity guard.",
+            ["reason"],
+            registry=registry,
+        ),
+        AFFINITY: Counter(
+            "rankgate_routing_affinity",
+            "Requests naming a conversation the router remembered: sent where it went before "
+            "(followed), or elsewhere because that rank's load outweighed it (yielded).",
+            ["outcome"],
+            registry=registry,
+        ),
+    }
     for policy, rank, tokens, hit in routes:
         routed.labels(policy, rank).inc()
         prompt.labels(rank).inc(tokens)
         cached.labels(rank).inc(hit)
         if tokens:
             ratio.observe(hit / tokens)
+        for family, outcome in _outcomes(tokens, hit):
+            outcomes[family].labels(outcome).inc()
+    outcomes[SPILLS].labels("hot_prefix")
     routed.labels("engine", "3").inc()
     return generate_latest(registry).decode()
 

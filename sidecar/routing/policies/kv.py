@@ -53,7 +53,7 @@ from rankgate.sidecar.routing.hashing import KeyChain, prompt_chain
 from rankgate.sidecar.routing.index import PredictedIndex
 from rankgate.sidecar.routing.kv_view import KvView
 from rankgate.sidecar.routing.load import RecentWork
-from rankgate.sidecar.routing.metrics import RoutingMetrics
+from rankgate.sidecar.routing.metrics import AFFINITY, SPILLS, RoutingMetrics
 from rankgate.sidecar.routing.policies.ranked import RankedRouter, Topology, estimated
 from rankgate.sidecar.routing.regret import RegretMeter, WatchedTicket
 from rankgate.sidecar.types import EngineInfo, PreparedRequest
@@ -88,13 +88,13 @@ class KvRouter(RankedRouter):
         self.shares: RecentWork | None = None
         self.affinity: AffinityTable | None = None
         self.regret: RegretMeter | None = None
-        self._affinity_followed = metrics.affinity.labels("followed")
-        self._affinity_yielded = metrics.affinity.labels("yielded")
+        self._affinity_followed = metrics.tally.outcome(AFFINITY, "followed")
+        self._affinity_yielded = metrics.tally.outcome(AFFINITY, "yielded")
         self._last: tuple[PreparedRequest, KeyChain] | None = None
         # Routed prompts whose keys past the decision's are still to hash (see :meth:`sent`).
         self._unhashed: list[KeyChain] = []
-        self._spill_hot = metrics.spills.labels("hot_prefix")
-        self._spill_full = metrics.spills.labels("capacity")
+        self._spill_hot = metrics.tally.outcome(SPILLS, "hot_prefix")
+        self._spill_full = metrics.tally.outcome(SPILLS, "capacity")
         self._capacity: list[int] = []
 
     def _on_configure(self, info: EngineInfo, topology: Topology) -> None:
@@ -252,9 +252,9 @@ class KvRouter(RankedRouter):
             slot, reason = self._choose(cached, prompt_tokens, hashes, full)
             if remembered is not None:
                 if slot == remembered:
-                    self._affinity_followed.inc()
+                    self._affinity_followed[0] += 1
                 else:
-                    self._affinity_yielded.inc()
+                    self._affinity_yielded[0] += 1
         if request.affinity is not None and self.affinity is not None:
             self.affinity.record(request.affinity, slot, prompt_tokens)
         if self.predicted is not None:
@@ -414,8 +414,8 @@ class KvRouter(RankedRouter):
         if costs[chosen] > overall + 1e-9:
             if len(room) < load.slots and min(costs[slot] for slot in room) > overall + 1e-9:
                 reason = "spill_capacity"
-                self._spill_full.inc()
+                self._spill_full[0] += 1
             else:
                 reason = "spill_hot"
-                self._spill_hot.inc()
+                self._spill_hot[0] += 1
         return chosen, reason
