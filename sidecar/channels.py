@@ -4,7 +4,8 @@ Each slot keeps its own connections, so concurrent streams spread over a few TCP
 instead of queueing behind one connection's flow control; a request picks the next slot in
 turn. Stubs are built once per slot, never per request. The hot ``Inference`` calls go over
 :class:`~sidecar.inference_client.InferenceClient` (a lean HTTP/2 client that costs a fraction
-of grpc.aio per message); health, discovery and control stay on grpcio channels.
+of grpc.aio per message), and so do the health watch's probes once started; the startup's
+health wait, discovery and control stay on grpcio channels.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class ChannelPool:
 
     @property
     def first(self) -> Stubs:
-        """Control-plane calls (health, discovery, abort) always use the first channel."""
+        """Control-plane calls (health, discovery, abort) always use the first slot."""
         return self._stubs[0]
 
     def pick(self) -> Stubs:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 
 class SidecarError(Exception):
-    """Base of everything the sidecar raises towards the app."""
+    """Base of everything the sidecar raises towards the app. ``grpc_status``: the status of
+    the engine call it came from, when it came from one (the health probe reads it)."""
+
+    grpc_status: int | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -3,6 +3,11 @@
 vLLM reports ``SERVING`` per service and flips to ``NOT_SERVING`` when its engine dies. A
 server that answers ``NOT_FOUND``/``UNIMPLEMENTED`` is not a split-service vLLM at all, so the
 startup wait fails fast on those instead of burning the whole deadline.
+
+The startup wait probes through grpcio, as discovery then talks. The watch probes every second
+for as long as the gateway runs, so it takes the lean connection the requests use
+(:class:`LeanProbe`): a grpcio call wakes grpcio's own threads and its poller, and two probes
+a second that way were half of an idle gateway's CPU.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable, SidecarError
+from rankgate.sidecar.status import Status
+
+if TYPE_CHECKING:
+    from rankgate.sidecar.inference_client import InferenceClient
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +38,12 @@ _FATAL = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED})
 _SLOW = "DEADLINE_EXCEEDED"
 _REQUESTS = {name: health_pb2.HealthCheckRequest(service=name) for name in SERVICES}
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_CHECK = "/grpc.health.v1.Health/Check"
+_LEAN_FATAL = frozenset({Status.NOT_FOUND, Status.UNIMPLEMENTED})
+_PARSE = health_pb2.HealthCheckResponse.FromString
+
+# One service's probe: None when it is SERVING, else why not.
+Probe = Callable[[str], Awaitable[str | None]]
 
 
 class NotVllm(DiscoveryError):
@@ -47,10 +62,42 @@ async def probe(health: Any, service: str, rpc_timeout: float) -> str | None:
                 "the endpoint is not a vLLM gRPC server with split services"
             ) from None
         return f"{service} health check failed ({error.code().name}: {error.details()})"
+    return _verdict(service, response)
+
+
+def _verdict(service: str, response: health_pb2.HealthCheckResponse) -> str | None:
     if response.status != _SERVING:
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         return f"{service} is {status}"
     return None
+
+
+class LeanProbe:
+    """:func:`probe` over the lean HTTP/2 client of the Inference calls: the same answers,
+    the same reasons (a probe out of time reads ``DEADLINE_EXCEEDED``), at a request's cost."""
+
+    def __init__(self, client: InferenceClient, rpc_timeout: float) -> None:
+        self._client = client
+        self._timeout = rpc_timeout
+
+    async def __call__(self, service: str) -> str | None:
+        request = _REQUESTS.get(service) or health_pb2.HealthCheckRequest(service=service)
+        call = self._client.unary(_CHECK, request, _PARSE)
+        try:
+            async with asyncio.timeout(self._timeout):
+                response = await call
+        except TimeoutError:
+            call.cancel()
+            return f"{service} health check failed ({_SLOW}: no answer in {self._timeout:g}s)"
+        except SidecarError as error:
+            code = Status(error.grpc_status if error.grpc_status is not None else Status.UNKNOWN)
+            if code in _LEAN_FATAL:
+                raise NotVllm(
+                    f"health check for {service!r} answered {code.name}: "
+                    "the endpoint is not a vLLM gRPC server with split services"
+                ) from None
+            return f"{service} health check failed ({code.name}: {error.message})"
+        return _verdict(service, response)
 
 
 async def wait_for_serving(
@@ -92,14 +139,14 @@ class HealthWatch:
 
     def __init__(
         self,
-        health: Any,
+        probe: Probe,
         interval: float,
         on_serving: Callable[[], Awaitable[bool]],
         on_down: Callable[[str], None],
         verify_every: int = 10,
         slow_misses: int = 3,
     ) -> None:
-        self._health = health
+        self._probe = probe
         self._interval = interval
         self._on_serving = on_serving
         self._on_down = on_down
@@ -144,7 +191,7 @@ class HealthWatch:
         reason: str | None = None
         for service in SERVICES:
             try:
-                reason = await probe(self._health, service, rpc_timeout=max(self._interval, 1.0))
+                reason = await self._probe(service)
             except NotVllm as error:
                 reason = error.message
             if reason is not None:

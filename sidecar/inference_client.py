@@ -15,7 +15,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from rankgate.sidecar.convert import merge_responses, wants_logprobs
 from rankgate.sidecar.endpoint import Endpoint
@@ -36,6 +36,11 @@ Metadata = tuple[tuple[str, str], ...]
 GenerateRequest = inference_pb2.GenerateRequest
 GenerateResponse = inference_pb2.GenerateResponse
 _PARSE: Callable[[bytes], GenerateResponse] = GenerateResponse.FromString
+T = TypeVar("T")
+
+
+class Message(Protocol):
+    def SerializeToString(self) -> bytes: ...
 
 
 def tls_context(ca_file: str | None) -> ssl.SSLContext:
@@ -84,14 +89,21 @@ class InferenceClient:
         self._start(call, GENERATE_STREAM, message, metadata)
         return call
 
+    def unary(self, path: str, message: Message, parse: Callable[[bytes], T]) -> UnaryCall[T]:
+        """A unary method of another service the engine serves on this connection (the
+        health watch's probe): one more stream beside the requests, framed as they are."""
+        call = UnaryCall(parse, None, self._retry_after)
+        self._start(call, path, message, None)
+        return call
+
     def _failure(self, status: Status, details: str) -> SidecarError:
         return error_from_status(status, details, self._retry_after)
 
     def _start(
         self,
-        call: Call[GenerateResponse],
+        call: Call[Any],
         path: str,
-        message: GenerateRequest,
+        message: Message,
         metadata: Metadata | None,
     ) -> None:
         key = (path, metadata)

@@ -20,7 +20,7 @@ from rankgate.sidecar.convert import RequestEncoder
 from rankgate.sidecar.discovery import Discovered, discover
 from rankgate.sidecar.endpoint import parse_endpoint
 from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable, InvalidRequest
-from rankgate.sidecar.health import HealthWatch, wait_for_serving
+from rankgate.sidecar.health import HealthWatch, LeanProbe, wait_for_serving
 from rankgate.sidecar.inference_client import GenerateRequest
 from rankgate.sidecar.routing.base import Router
 from rankgate.sidecar.types import PreparedRequest
@@ -96,9 +96,8 @@ class Lifecycle:
             discovered.info.block_size,
             self._router.name,
         )
-        self._watch = HealthWatch(
-            self.pool.first.health, config.health_interval, self._on_serving, self._on_down
-        )
+        probe = LeanProbe(self.pool.first.inference, max(config.health_interval, 1.0))
+        self._watch = HealthWatch(probe, config.health_interval, self._on_serving, self._on_down)
         self._watch.start()
 
     def begin_close(self) -> None:

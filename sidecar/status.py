@@ -88,7 +88,14 @@ def error_from_status(code: int, details: str | None, retry_after: float = 1.0) 
     """Translate a finished call's status; ``retry_after`` is advertised for transient states.
     A number that is no gRPC status counts as UNKNOWN."""
     status = _STATUSES.get(code, Status.UNKNOWN)
-    text = (details or "").strip() or status.name.lower().replace("_", " ")
+    error = _typed(
+        status, (details or "").strip() or status.name.lower().replace("_", " "), retry_after
+    )
+    error.grpc_status = status
+    return error
+
+
+def _typed(status: Status, text: str, retry_after: float) -> SidecarError:
     client_error = _CLIENT_ERRORS.get(status)
     if client_error is not None:
         return client_error(text)

@@ -91,6 +91,11 @@ class FakeVllm:
     dropped: list[str] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     health_checks: int = 0
+    # The user agent of each Check, in order; a Check waits this long before it answers, and
+    # is counted in health_cancelled when its caller gives up first.
+    health_agents: list[str] = field(default_factory=list)
+    health_stall: float = 0.0
+    health_cancelled: int = 0
     _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
 
     async def default_stream(self, request: Any, context: Any) -> AsyncIterator[Any]:
@@ -124,6 +129,13 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
     async def Check(self, request: Any, context: Any) -> Any:
         self.fake.health_checks += 1
+        self.fake.health_agents.append(dict(context.invocation_metadata()).get("user-agent", ""))
+        if self.fake.health_stall:
+            try:
+                await asyncio.sleep(self.fake.health_stall)
+            except asyncio.CancelledError:
+                self.fake.health_cancelled += 1
+                raise
         state = self.fake.health.get(request.service, grpc.StatusCode.NOT_FOUND)
         if isinstance(state, grpc.StatusCode):
             await context.abort(state, f"health: {state.name}")

@@ -147,6 +147,48 @@ async def test_timed_out_probes_drop_readiness_only_when_they_persist(
     await eventually(lambda: sidecar.ready)
 
 
+async def test_the_watch_probes_on_the_lean_connection_the_requests_use(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    """The startup wait probes through grpcio; every probe after it comes over the lean
+    HTTP/2 client (user agent ``rankgate`` alone, where grpcio adds its own name)."""
+    sidecar = await start_sidecar(health_interval=0.2)
+    started = len(fake.fake.health_agents)
+    await eventually(lambda: len(fake.fake.health_agents) >= started + 4)
+    assert sidecar.ready
+    assert all(agent.startswith("rankgate grpc-") for agent in fake.fake.health_agents[:started])
+    assert set(fake.fake.health_agents[started:]) == {"rankgate"}
+
+
+async def test_a_probe_left_unanswered_is_given_up_and_counts_as_timed_out(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    """A probe that gets no answer within its timeout (the interval, at least 1 s) is
+    cancelled on the engine and counts as a timed-out probe: readiness drops only once three
+    in a row went unanswered, and returns with the answers."""
+    sidecar = await start_sidecar(health_interval=0.2)
+    fake.fake.health_stall = 30.0
+    await eventually(lambda: fake.fake.health_cancelled >= 2, within=10)
+    assert sidecar.ready, "two unanswered probes in a row must not turn requests away"
+    await eventually(lambda: not sidecar.ready, within=10)
+    assert "DEADLINE_EXCEEDED" in _problem(sidecar)
+    fake.fake.health_stall = 0.0
+    await eventually(lambda: sidecar.ready, within=10)
+
+
+async def test_a_health_service_that_does_not_know_vllm_drops_readiness(
+    fake: FakeServer, start_sidecar: StartSidecar
+) -> None:
+    """UNIMPLEMENTED or NOT_FOUND after startup: the endpoint is no longer the vLLM it was
+    (another server took the port), which the watch reports as such at once."""
+    sidecar = await start_sidecar(health_interval=0.2)
+    fake.fake.health["vllm.Control"] = grpc.StatusCode.UNIMPLEMENTED
+    await eventually(lambda: not sidecar.ready)
+    assert "not a vLLM gRPC server" in _problem(sidecar)
+    fake.fake.health["vllm.Control"] = SERVING
+    await eventually(lambda: sidecar.ready)
+
+
 async def test_an_explicit_not_serving_drops_readiness_at_once(
     fake: FakeServer, start_sidecar: StartSidecar
 ) -> None:
