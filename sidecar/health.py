@@ -97,6 +97,9 @@ class LeanProbe:
                     "the endpoint is not a vLLM gRPC server with split services"
                 ) from None
             return f"{service} health check failed ({code.name}: {error.message})"
+        except BaseException:
+            call.cancel()  # the watch is closing: the engine need not answer
+            raise
         return _verdict(service, response)
 
 

@@ -3,13 +3,17 @@ changed model or layout is refused instead of served."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 import pytest
 
+from rankgate.sidecar.endpoint import parse_endpoint
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.errors import EngineUnavailable
+from rankgate.sidecar.health import LeanProbe
+from rankgate.sidecar.inference_client import InferenceClient
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import (
     NOT_SERVING,
@@ -174,6 +178,26 @@ async def test_a_probe_left_unanswered_is_given_up_and_counts_as_timed_out(
     assert "DEADLINE_EXCEEDED" in _problem(sidecar)
     fake.fake.health_stall = 0.0
     await eventually(lambda: sidecar.ready, within=10)
+
+
+async def test_a_probe_cancelled_by_its_caller_is_cancelled_on_the_engine(
+    fake: FakeServer,
+) -> None:
+    """The watch closing mid-probe leaves no Check running on the engine, while the
+    connection the requests use stays open."""
+    client = InferenceClient(parse_endpoint(f"127.0.0.1:{fake.port}"), 1 << 20)
+    try:
+        fake.fake.health_stall = 30.0
+        probe = asyncio.get_running_loop().create_task(LeanProbe(client, 60.0)("vllm.Control"))
+        await eventually(lambda: fake.fake.health_checks >= 1)
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        await eventually(lambda: fake.fake.health_cancelled == 1)
+        fake.fake.health_stall = 0.0
+        assert await LeanProbe(client, 60.0)("vllm.Control") is None
+    finally:
+        await client.close()
 
 
 async def test_a_health_service_that_does_not_know_vllm_drops_readiness(
