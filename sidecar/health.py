@@ -57,12 +57,20 @@ async def probe(health: Any, service: str, rpc_timeout: float) -> str | None:
         response = await health.Check(request, timeout=rpc_timeout)
     except grpc.aio.AioRpcError as error:
         if error.code() in _FATAL:
-            raise NotVllm(
-                f"health check for {service!r} answered {error.code().name}: "
-                "the endpoint is not a vLLM gRPC server with split services"
-            ) from None
-        return f"{service} health check failed ({error.code().name}: {error.details()})"
+            raise _not_vllm(service, error.code().name) from None
+        return _failed(service, error.code().name, error.details())
     return _verdict(service, response)
+
+
+def _not_vllm(service: str, code: str) -> NotVllm:
+    return NotVllm(
+        f"health check for {service!r} answered {code}: "
+        "the endpoint is not a vLLM gRPC server with split services"
+    )
+
+
+def _failed(service: str, code: str, details: str | None) -> str:
+    return f"{service} health check failed ({code}: {details})"
 
 
 def _verdict(service: str, response: health_pb2.HealthCheckResponse) -> str | None:
@@ -88,15 +96,12 @@ class LeanProbe:
                 response = await call
         except TimeoutError:
             call.cancel()
-            return f"{service} health check failed ({_SLOW}: no answer in {self._timeout:g}s)"
+            return _failed(service, _SLOW, f"no answer in {self._timeout:g}s")
         except SidecarError as error:
             code = Status(error.grpc_status if error.grpc_status is not None else Status.UNKNOWN)
             if code in _LEAN_FATAL:
-                raise NotVllm(
-                    f"health check for {service!r} answered {code.name}: "
-                    "the endpoint is not a vLLM gRPC server with split services"
-                ) from None
-            return f"{service} health check failed ({code.name}: {error.message})"
+                raise _not_vllm(service, code.name) from None
+            return _failed(service, code.name, error.message)
         except BaseException:
             call.cancel()  # the watch is closing: the engine need not answer
             raise
