@@ -17,6 +17,9 @@
 # tests/deploy/test_image.py runs this file's build-stage RUN commands in a temporary
 # directory and starts the gateway from the result; keep the commands plain shell.
 
+# The official image's CPython is built with profile-guided and link-time optimization; the
+# gateway's CPU figures in docs/benchmarks.md are for such a build (a plain one costs about 6%
+# more CPU a request). A replacement base image should be built the same way.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # The same Python with a C compiler: the build stage compiles the route decision's modules with
 # mypyc (setup.py), a third less CPU a decision. The runtime stage takes only the result.
