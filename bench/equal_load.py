@@ -117,7 +117,7 @@ def fixed_rate(
     ok = re.search(r"status codes: (\d+) 2xx", done.stdout)
     timing = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", done.stdout)
     if done.returncode != 0 or not ok or int(ok.group(1)) != n or not timing:
-        raise RuntimeError(f"h2load against {gateway.name} failed:\n{done.stdout}{done.stderr}")
+        raise po.LoadFailed(gateway.name, done.stdout + done.stderr)
     return Fixed(n, cpu1 - cpu0, wall1 - wall0, _ms(timing.group(1)))
 
 
@@ -176,12 +176,35 @@ def _ms(text: str) -> float:
     return float(text)
 
 
+SATURATION_TRIES = 3
+
+
 def saturation_rate(
     engine: peers.Engine, request: dict[str, object], args: argparse.Namespace
 ) -> float:
     """vllm-router's requests per second with as many requests always in flight as the
-    fixed-rate runs have clients."""
+    fixed-rate runs have clients.
+
+    Saturated with paced streams in front of the Node engine, vllm-router sometimes fails to
+    open its gRPC streams (its log: ``GenerateStream failed ... h2 protocol error: http2
+    error``, the engine seeing no error), and its circuit breaker then fails most of the run.
+    Such a run is said and taken again with a fresh vllm-router, up to three times in all."""
     clients = args.stream_clients if request.get("stream") else args.clients
+    for _ in range(SATURATION_TRIES - 1):
+        try:
+            return _saturate(engine, request, clients, args)
+        except po.LoadFailed as failure:
+            print(
+                f"vllm-router failed its saturation run ({failure.statuses}); "
+                "again with a fresh one",
+                flush=True,
+            )
+    return _saturate(engine, request, clients, args)
+
+
+def _saturate(
+    engine: peers.Engine, request: dict[str, object], clients: int, args: argparse.Namespace
+) -> float:
     with ExitStack() as own:
         router = peers.start_vllm_router(own, engine, "kv_aware", args.gateway_cpu)
         po.h2load(router, engine, request, 400, clients, args.engine_cpu, args.work)

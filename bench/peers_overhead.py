@@ -66,6 +66,16 @@ PEERS = ("rankgate", "vllm-router", "dynamo")
 H2LOAD = shutil.which("h2load")
 
 
+class LoadFailed(RuntimeError):
+    """A load run in which the gateway answered some requests with an error (or h2load could
+    not finish); ``statuses`` is h2load's status-code line, when it printed one."""
+
+    def __init__(self, gateway: str, output: str) -> None:
+        super().__init__(f"h2load against {gateway} failed:\n{output}")
+        line = re.search(r"status codes: .*", output)
+        self.statuses = line.group(0) if line else "no status codes"
+
+
 @dataclass
 class Load:
     """One h2load run, the gateway CPU it cost, and the engine's plus h2load's beside it."""
@@ -154,7 +164,7 @@ def h2load(
     succeeded = re.search(r"requests: .* (\d+) succeeded", done.stdout)
     ok = re.search(r"status codes: (\d+) 2xx", done.stdout)
     if done.returncode != 0 or not succeeded or not ok or int(ok.group(1)) != n:
-        raise RuntimeError(f"h2load against {gateway.name} failed:\n{done.stdout}{done.stderr}")
+        raise LoadFailed(gateway.name, done.stdout + done.stderr)
     return Load(n, cpu1 - cpu0, wall1 - wall0, load_side)
 
 
