@@ -32,13 +32,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/rankgate
 COPY pyproject.toml README.md ./
-# rankgate/ links the four folders into the one namespace the wheel installs.
-COPY rankgate ./rankgate
-COPY app ./app
-COPY sidecar ./sidecar
-COPY multimodal ./multimodal
-COPY mocker ./mocker
 COPY setup.py ./
+COPY rankgate ./rankgate
 # Bytecode is compiled here: the runtime user cannot write it next to the sources. mypy builds
 # the compiled router and leaves with pip; the check fails the build if the router is pure.
 RUN /opt/rankgate/bin/python -m pip install . "mypy==2.4.0" "setuptools==84.0.0" \

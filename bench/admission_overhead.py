@@ -1,6 +1,6 @@
 """What does per-rank admission cost a request, uncontended and under overload?
 
-Drives ``sidecar.admission.Admission`` directly, the way ``Sidecar.generate`` does (one
+Drives ``rankgate.sidecar.admission.Admission`` directly, the way ``Sidecar.generate`` does (one
 ``fits`` per request, one ``take`` per engine stream on launch, one ``give`` when it ends), on
 a DP layout of ``--ranks`` ranks:
 

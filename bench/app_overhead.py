@@ -20,13 +20,13 @@ from typing import Any
 
 import orjson
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.sidecar import merge_batch
 from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 MODEL = "bench-model"
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},

@@ -166,7 +166,7 @@ def _short_client(
     pair once the process is ready)."""
     import grpc
 
-    from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+    from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 
     results.put(([], []))
     go.wait()

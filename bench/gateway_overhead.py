@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 MODEL = "bench-model"
 TICKS = os.sysconf("SC_CLK_TCK")
 MESSAGES = [

@@ -34,7 +34,8 @@ import rankgate
 from rankgate.mocker import h2_connection, h2server
 from rankgate.sidecar import grpc_call, http2
 from rankgate.sidecar.inference_client import GENERATE_STREAM
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.grpc_frame import grpc_message
+from rankgate.wire.proto.vllm import inference_pb2
 
 _HEAD = struct.Struct(">HBBBL")
 _TOKEN = inference_pb2.GenerateResponse(
@@ -70,11 +71,11 @@ def _client(messages: int, batch: int) -> float:
     conn.connection_made(_Transport())
     headers = grpc_call.request_headers("http", "engine", GENERATE_STREAM)
     call: Any = grpc_call.Call(inference_pb2.GenerateResponse.FromString)
-    conn.start(call, headers, grpc_call.grpc_message(b""))
+    conn.start(call, headers, grpc_message(b""))
     conn.data_received(_frame(4, 0, 0, b""))
     ok = b"\x88" + b"\x5f\x10application/grpc"
     conn.data_received(_frame(1, 4, 1, ok))
-    data = _frame(0, 0, 1, grpc_call.grpc_message(_TOKEN))
+    data = _frame(0, 0, 1, grpc_message(_TOKEN))
     chunk = data * batch
     take = call._next
     rounds = messages // batch
@@ -93,9 +94,9 @@ def _requests(count: int) -> float:
     conn.connection_made(_Transport())
     conn.data_received(_frame(4, 0, 0, b"") + _frame(8, 0, 0, struct.pack(">L", 1 << 30)))
     headers = grpc_call.request_headers("http", "engine", GENERATE_STREAM)
-    body = grpc_call.grpc_message(b"\x0a\x01r" * 20)
+    body = grpc_message(b"\x0a\x01r" * 20)
     encoder = hpack.Encoder()
-    message = grpc_call.grpc_message(_TOKEN)
+    message = grpc_message(_TOKEN)
     parse = inference_pb2.GenerateResponse.FromString
 
     def call(sid: int, ok: bytes, done: bytes) -> None:

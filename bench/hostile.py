@@ -46,7 +46,7 @@ from tests.support.loop_probe import health_probe  # noqa: E402
 from tests.support.ports import free_port, free_port_range  # noqa: E402
 
 PY = sys.executable
-TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 MODEL = "mock-model"
 MB = 1 << 20
 RANK = "x-data-parallel-rank"

@@ -27,8 +27,8 @@ import orjson
 import uvicorn
 import uvloop
 
-from rankgate.app.connections import ConnectionLimits
-from rankgate.app.http1 import uvicorn_config
+from rankgate.app.serving.connections import ConnectionLimits
+from rankgate.app.serving.http1 import uvicorn_config
 
 ANSWER = orjson.dumps(
     {

@@ -1,7 +1,7 @@
 """Image preparation cost: decode+hash throughput of a 1024x1024 JPEG, and latency per image.
 
-Prints one table. ``decode+hash`` runs :func:`multimodal.decode.decode_image` (Pillow decode,
-EXIF check, RGB conversion, SHA-256 of the pixels) on one thread, then through the decoder
+Prints one table. ``decode+hash`` runs :func:`rankgate.multimodal.decode.decode_image` (Pillow
+decode, EXIF check, RGB conversion, SHA-256 of the pixels) on one thread, then through the decoder
 pool with its memo off; ``prepare`` times :meth:`MediaPreparer.prepare` for one data-URI image
 as the app calls it (base64 decoding and the thread hop included), cold and as a repeat that
 the decode memo answers (a chat resending its images every turn).

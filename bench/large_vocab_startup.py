@@ -25,7 +25,7 @@ from pathlib import Path
 
 import peers
 
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from tests.support.large_vocab import write_large_vocab_tokenizer
 
 PROMPT = (

@@ -26,7 +26,7 @@ CORPUS_CHARS = 12_000_000
 # Bump when the recipe changes, so a cached tokenizer from an older recipe is not reused.
 RECIPE = 1
 CACHE = Path.home() / ".cache" / "rankgate" / f"llama-bpe-{VOCAB_SIZE // 1000}k-r{RECIPE}"
-TINY = Path(__file__).resolve().parent.parent / "mocker" / "assets" / "tiny-tokenizer"
+TINY = Path(__file__).resolve().parent.parent / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 
 
 def ensure(directory: Path = CACHE) -> Path:

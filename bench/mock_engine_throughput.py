@@ -33,7 +33,7 @@ import uvloop
 from rankgate.mocker.config import GRPC_SERVERS, GrpcServer, MockEngineConfig
 from rankgate.sidecar.endpoint import Endpoint
 from rankgate.sidecar.inference_client import InferenceClient
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.support.ports import free_port
 
 TOKENS = 16

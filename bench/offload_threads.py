@@ -1,8 +1,8 @@
 """How late does the event loop wake while big prompts are tokenized on threads beside it?
 
-The gateway tokenizes a big prompt on a worker thread (``app.offload``) so the loop stays free
-for short requests. The tokenizers release the GIL while they encode, but take it back to hand
-the ids to Python, and a thread that takes it makes the loop wait. This runs the gateway's own
+The gateway tokenizes a big prompt on a worker thread (``rankgate.app.serving.offload``) so the loop
+stays free for short requests. The tokenizers release the GIL while they encode, but take it back to
+hand the ids to Python, and a thread that takes it makes the loop wait. This runs the gateway's own
 tokenizer (:class:`TextTokenizer`, the Llama-sized one of :mod:`llama_tokenizer`) on pools of
 ``--threads`` threads at the offload threads' priority, ``--clients`` big prompts of
 ``--kb`` KB (each new) kept in flight, all on ``--cpus``, while the loop (uvloop) sleeps 1 ms at
@@ -35,8 +35,8 @@ import peers
 import uvloop
 from big_prompt_stall import text_of
 
-from rankgate.app.offload import NICENESS, FinishOrderedPool
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.serving.offload import NICENESS, FinishOrderedPool
+from rankgate.app.tokens.tokenizer import TextTokenizer
 
 
 def texts(count: int, kilobytes: int) -> list[str]:

@@ -30,7 +30,7 @@ import httpx
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 PY = sys.executable
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.support.ports import free_port, free_port_range  # noqa: E402
 
-TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TINY_TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 DYNAMO_VENV = Path(
     os.environ.get("RANKGATE_DYNAMO_VENV", Path.home() / ".cache" / "rankgate" / "dynamo")
 )

@@ -56,7 +56,7 @@ import llama_tokenizer
 import peers
 from tokenizers import Tokenizer
 
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},

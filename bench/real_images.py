@@ -44,13 +44,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.sidecar.admission import AdmissionConfig
 from rankgate.sidecar.config import DisaggConfig
 from rankgate.sidecar.convert import decode_transfer_params, encode_transfer_params
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.app.serving import serve_app
 from tests.multimodal.pictures import encode, noise
 from tests.support.placement import fair_placement, on_gateway_cpus

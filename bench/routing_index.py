@@ -30,7 +30,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from rankgate.app.gc_tuning import tune_after_startup
+from rankgate.app.serving.gc_tuning import tune_after_startup
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import prompt_keys
 from rankgate.sidecar.routing.index import PredictedIndex
@@ -107,8 +107,9 @@ async def _ingest(args: argparse.Namespace) -> None:
         )
 
     rss_before = _rss()
-    # As the gateway does once started (app/gc_tuning.py): what exists now (here the bench's
-    # own 50k prepared events) leaves every later collection, and young passes are rarer.
+    # As the gateway does once started (rankgate/app/serving/gc_tuning.py): what exists now (here
+    # the bench's own 50k prepared events) leaves every later collection, and young passes are
+    # rarer.
     tune_after_startup()
     payload_start = time.perf_counter()
     for index in range(max(len(b) for b in batches)):

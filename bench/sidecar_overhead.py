@@ -26,10 +26,10 @@ from rankgate.mocker.config import MockEngineConfig
 from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.convert import DeltaDecoder, RequestEncoder
 from rankgate.sidecar.engine import Sidecar
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import OutputOptions, PreparedRequest, SamplingParams, StoppingParams
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 
 
 def _free_port() -> int:

@@ -51,7 +51,7 @@ import httpx
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 MODEL = "bench-model"
 TICKS = os.sysconf("SC_CLK_TCK")
 # Seconds with no requests, to read what the gateway's processes spend idle.

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate the committed gRPC stubs in ``sidecar/proto`` from ``protos/``.
+"""Regenerate the committed gRPC stubs in ``rankgate/wire/proto`` from ``protos/``.
 
 protoc emits absolute imports that mirror the proto path (``from vllm import ...``); the stubs
-live inside the ``sidecar.proto`` package, so those imports are rewritten to package-relative
+live inside the ``rankgate.wire.proto`` package, so those imports are rewritten to package-relative
 ones. ``tests/test_protos.py`` runs :func:`generate` into a temporary folder and fails when
 the committed files differ, so edit a ``.proto``, then run this script, then commit both.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-STUB_ROOT = ROOT / "sidecar" / "proto"
+STUB_ROOT = ROOT / "rankgate" / "wire" / "proto"
 PROTO_FILES = ("vllm/inference.proto", "vllm/control.proto", "vllm/kv_transfer.proto")
 
 _IMPORT = re.compile(r"^from vllm import (\w+) as (\w+)$", re.MULTILINE)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TINY_TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 CONFORMANCE_DP = 2
 CONFORMANCE_BLOCK = 32
 # KV blocks a rank of the small-cache engines holds: a few prompts fill it.

@@ -20,7 +20,7 @@ def _load_generator() -> ModuleType:
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     written = _load_generator().generate(tmp_path)
-    committed = ROOT / "sidecar" / "proto"
+    committed = ROOT / "rankgate" / "wire" / "proto"
     fresh_names = {p.name for p in written}
     committed_names = {p.name for p in (committed / "vllm").iterdir() if p.is_file()}
     assert fresh_names == committed_names, "stub set changed: run scripts/gen_protos.py"
@@ -30,7 +30,7 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
 
 def test_wire_numbers_match_vllm() -> None:
     """Spot-check the field numbers everything else relies on (SPEC.md section 2)."""
-    from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+    from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 
     def numbers(message: type) -> dict[str, int]:
         return {f.name: f.number for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]

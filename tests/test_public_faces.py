@@ -18,7 +18,7 @@ FACES = ("rankgate.sidecar", "rankgate.multimodal")
 
 
 def _app_modules() -> list[Path]:
-    return sorted((ROOT / "app").rglob("*.py"))
+    return sorted((ROOT / "rankgate" / "app").rglob("*.py"))
 
 
 def _from_imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
@@ -41,9 +41,13 @@ def test_every_exported_name_resolves(face: str) -> None:
         _ = module.not_exported
 
 
-def test_the_sidecar_lists_each_export_once() -> None:
-    sidecar = importlib.import_module("rankgate.sidecar")
-    assert sorted(sidecar._EXPORTS) == sidecar.__all__
+@pytest.mark.parametrize("face", FACES)
+def test_a_face_is_a_plain_module(face: str) -> None:
+    """Every exported name is bound when the package loads: no lazy ``__getattr__`` to keep
+    in step with ``__all__``."""
+    module = importlib.import_module(face)
+    assert not hasattr(module, "__getattr__")
+    assert set(module.__all__) <= set(vars(module))
 
 
 def _past_the_faces(path: Path) -> list[str]:
@@ -67,18 +71,27 @@ def test_app_imports_only_the_faces(path: Path) -> None:
 def test_a_private_import_is_caught(tmp_path: Path) -> None:
     module = tmp_path / "module.py"
     module.write_text(
-        "from rankgate.sidecar import Sidecar, _EXPORTS\n"
+        "from rankgate.sidecar import Sidecar, _private\n"
         "def later():\n    import rankgate.multimodal.fetch\n"
     )
-    assert _past_the_faces(module) == ["rankgate.sidecar._EXPORTS", "rankgate.multimodal.fetch"]
+    assert _past_the_faces(module) == ["rankgate.sidecar._private", "rankgate.multimodal.fetch"]
 
 
-def test_the_http2_core_loads_without_the_engine_client() -> None:
-    """The mock engine shares only the HTTP/2 core; importing it loads nothing else."""
+def test_the_wire_code_loads_alone() -> None:
+    """The HTTP/2 core and gRPC framing load without grpcio or anything else of Rankgate's."""
     probe = (
-        "import sys, rankgate.sidecar.h2.connection\n"
-        "loaded = [m for m in ('rankgate.sidecar.engine', 'rankgate.sidecar.routing', 'grpc')"
-        " if m in sys.modules]\n"
+        "import sys, rankgate.wire.h2.connection, rankgate.wire.grpc_frame\n"
+        "loaded = [m for m in sys.modules if m == 'grpc' or m.startswith('rankgate.')\n"
+        "          and not m.startswith('rankgate.wire')]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, cwd=ROOT, timeout=60)
+
+
+def test_the_mock_engine_loads_without_the_sidecar() -> None:
+    probe = (
+        "import sys, rankgate.mocker.server\n"
+        "loaded = [m for m in sys.modules if m.startswith(('rankgate.sidecar', 'rankgate.app'))]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", probe], check=True, cwd=ROOT, timeout=60)

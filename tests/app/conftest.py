@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from rankgate.sidecar import merge_batch
 from rankgate.sidecar.errors import SidecarError
 from rankgate.sidecar.types import Delta, EngineInfo, PreparedRequest, RankCapacity, TokenLogprob

@@ -10,8 +10,8 @@ from typing import Any
 
 import uvicorn
 
-from rankgate.app.connections import ConnectionLimits
-from rankgate.app.http1 import uvicorn_config
+from rankgate.app.serving.connections import ConnectionLimits
+from rankgate.app.serving.http1 import uvicorn_config
 from tests.support.ports import free_port
 
 

@@ -8,7 +8,7 @@ import asyncio
 
 from starlette.types import Message, Receive, Scope, Send
 
-from rankgate.app.clients import ClientWatch
+from rankgate.app.serving.clients import ClientWatch
 
 PATH = "/v1/chat/completions"
 

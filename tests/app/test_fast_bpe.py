@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from rankgate.app.prepare.fast_bpe import candidate
-from rankgate.app.prepare.tokenizer import TextTokenizer, _bytes_decoder
+from rankgate.app.tokens.fast_bpe import candidate
+from rankgate.app.tokens.tokenizer import TextTokenizer, _bytes_decoder
 from tests.app.test_text_split import text_of
 from tests.conftest import TINY_TOKENIZER
 

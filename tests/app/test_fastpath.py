@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 
-from rankgate.app.auth import AccessConfig
-from rankgate.app.clients import ClientWatch
-from rankgate.app.fastpath import FastPathApp
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.edge.auth import AccessConfig
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
+from rankgate.app.serving.clients import ClientWatch
+from rankgate.app.serving.fastpath import FastPathApp
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rankgate.app.cli import build_parser, settings_from_args
-from rankgate.app.serve_flags import SERVE_FLAGS
-from rankgate.app.settings import GatewaySettings
+from rankgate.app.config.serve_flags import SERVE_FLAGS
+from rankgate.app.config.settings import GatewaySettings
 
 
 def test_every_flag_names_a_settings_field_once() -> None:

@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from rankgate.app.connections import ConnectionLimits
-from rankgate.app.limits import ENGINE_JSON_DEPTH, InputLimits
+from rankgate.app.edge.limits import ENGINE_JSON_DEPTH, InputLimits
 from rankgate.app.schemas.requests import ChatCompletionRequest, CompletionRequest
+from rankgate.app.serving.connections import ConnectionLimits
 from tests.app.scripted import SCRIPTED_MODEL
 from tests.support.loop_probe import health_probe
 

@@ -21,8 +21,10 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl as UvicornFlow
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, RequestResponseCycle
 
-from rankgate.app.connections import ConnectionLimits
-from rankgate.app.http1 import (
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.server import create_app
+from rankgate.app.serving.connections import ConnectionLimits
+from rankgate.app.serving.http1 import (
     ChunkWriter,
     Exchange,
     FlowControl,
@@ -30,8 +32,6 @@ from rankgate.app.http1 import (
     bad_header_name,
     bad_header_value,
 )
-from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rankgate.app.json_shape as json_shape_module
-from rankgate.app.json_shape import JsonShape, could_exceed, json_shape
+import rankgate.app.edge.json_shape as json_shape_module
+from rankgate.app.edge.json_shape import JsonShape, could_exceed, json_shape
 
 _FUZZ = settings(
     derandomize=True,

@@ -13,9 +13,9 @@ import msgspec
 import orjson
 import pytest
 
-from rankgate.app.limits import ENGINE_JSON_DEPTH, ENGINE_JSON_NODES, InputLimits, check_depth
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.edge.limits import ENGINE_JSON_DEPTH, ENGINE_JSON_NODES, InputLimits, check_depth
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.app.test_metrics import value

@@ -12,9 +12,9 @@ import httpx
 import orjson
 import pytest
 
-from rankgate.app.access_log import ACCESS_LOGGER, JsonFormatter, TextFormatter
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.observability.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.serving import serve_app
 from tests.support.engines import EngineUnderTest
 

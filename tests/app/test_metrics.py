@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-import rankgate.app.metrics as metrics_module
+import rankgate.app.observability.metrics as metrics_module
 from tests.support.engines import EngineUnderTest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +148,7 @@ def test_several_workers_leave_one_process_series_out(
 ) -> None:
     from prometheus_client import CollectorRegistry
 
-    from rankgate.app.metrics import MULTIPROC_ENV, GatewayMetrics
+    from rankgate.app.observability.metrics import MULTIPROC_ENV, GatewayMetrics
 
     monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path))
     registry = CollectorRegistry()
@@ -160,7 +160,7 @@ def test_several_workers_leave_one_process_series_out(
 _MULTIPROCESS = """
 import sys
 from prometheus_client import CollectorRegistry
-from rankgate.app.metrics import GatewayMetrics, Observation
+from rankgate.app.observability.metrics import GatewayMetrics, Observation
 from rankgate.sidecar.routing.metrics import routing_metrics
 
 registry = CollectorRegistry()
@@ -300,7 +300,7 @@ def test_one_process_exposes_what_the_client_library_would() -> None:
     series, buckets and values as prometheus-client's own objects fed the same requests."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from rankgate.app.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation
+    from rankgate.app.observability.metrics import MAX_REQUEST_SERIES, GatewayMetrics, Observation
 
     ours = GatewayMetrics(CollectorRegistry())
     reference_registry = CollectorRegistry()

@@ -1,4 +1,5 @@
-"""app.offload: big requests' work runs on threads that yield the CPU to the event loop."""
+"""rankgate.app.serving.offload: big requests' work runs on threads that yield the CPU to the event
+loop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rankgate.app.offload import (
+from rankgate.app.serving.offload import (
     NICENESS,
     FinishOrderedPool,
     _cgroup_quota,

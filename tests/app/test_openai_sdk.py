@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from rankgate.app.prepare.template import ChatTemplate
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from tests.conftest import TINY_TOKENIZER
 
 MODEL = "tiny-llama"

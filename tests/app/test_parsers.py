@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rankgate.app.respond.parsers import (
+from rankgate.app.parsers import (
     ChoiceParser,
     Parsed,
     Tool,

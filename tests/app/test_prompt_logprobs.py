@@ -13,9 +13,9 @@ import grpc
 import httpx
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.app.serving import serve_app
 from tests.conformance.helpers import make_request, prompt_ids, stream
 from tests.support.engines import EngineUnderTest

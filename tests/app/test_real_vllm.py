@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.prepare.template import ChatTemplate
-from rankgate.app.prepare.tokenizer import TextTokenizer
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from tests.app.serving import serve_app
 from tests.support.engines import EngineUnderTest
 

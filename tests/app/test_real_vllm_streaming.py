@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.serving import serve_app
 from tests.support.engines import EngineUnderTest
 from tests.support.placement import on_gateway_cpus, placement_for_tests

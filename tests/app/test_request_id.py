@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from rankgate.app.request_id import from_header, new_request_id
+from rankgate.app.edge.request_id import from_header, new_request_id
 
 
 def test_made_up_ids_are_24_hex_digits_and_do_not_repeat_across_batches() -> None:

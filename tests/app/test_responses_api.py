@@ -9,11 +9,11 @@ import httpx
 import openai
 import pytest
 
-from rankgate.app.auth import AccessConfig
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.edge.auth import AccessConfig
 from rankgate.app.prepare.template import ChatTemplate
-from rankgate.app.prepare.tokenizer import TextTokenizer
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from rankgate.sidecar.errors import EngineFailure
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
 from tests.app.serving import serve_app

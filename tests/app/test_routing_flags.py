@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from rankgate.app.cli import build_parser, settings_from_args
-from rankgate.app.routing_flags import ROUTING_FLAGS
-from rankgate.app.settings import GatewaySettings
+from rankgate.app.config.routing_flags import ROUTING_FLAGS
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
 

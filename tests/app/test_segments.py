@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rankgate.app.prepare import segments
-from rankgate.app.prepare.segments import SegmentEncoder, segmentable
-from rankgate.app.prepare.tokenizer import LONG_TEXT_CHARS, TextTokenizer
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
+from rankgate.app.tokens import segments
+from rankgate.app.tokens.segments import SegmentEncoder, segmentable
+from rankgate.app.tokens.tokenizer import LONG_TEXT_CHARS, TextTokenizer
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

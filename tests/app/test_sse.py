@@ -1,7 +1,7 @@
 """Streamed answers through the gateway's SSE response, over a real engine connection: the
 middle deltas of a stream go from the engine connection's callback straight to the socket
-(``app.respond.sse._DirectSink``), and what the client reads is what the response's task would
-have written itself, failures included."""
+(``rankgate.app.respond.sse._DirectSink``), and what the client reads is what the response's task
+would have written itself, failures included."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from rankgate.app.http1 import ChunkWriter
 from rankgate.app.respond import sse
 from rankgate.app.respond.stream import _ChatChunks
+from rankgate.app.serving.http1 import ChunkWriter
 from tests.chaos.harness import assert_clean, chat, gateway, mock_engine, stream
 
 pytestmark = pytest.mark.timeout(90)

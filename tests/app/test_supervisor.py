@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from rankgate.app import workers
-from rankgate.app.settings import GatewaySettings
-from rankgate.app.workers import (
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.serving import workers
+from rankgate.app.serving.workers import (
     BACKOFF_S,
     GIVE_UP,
     MAX_BACKOFF_S,
@@ -81,7 +81,7 @@ def test_with_no_worker_able_to_start_the_gateway_stops_and_says_why(
     supervisor = Supervisor(
         GatewaySettings(workers=2), sock, board, never_starts, start_method="forkserver"
     )
-    with caplog.at_level(logging.ERROR, logger="rankgate.app.workers"):
+    with caplog.at_level(logging.ERROR, logger="rankgate.app.serving.workers"):
         status = supervisor.run()
     supervisor.close()
     assert status == 1

@@ -11,7 +11,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from rankgate.app.prepare.template import ChatTemplate, TemplateRenderError, detect_content_format
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from tests.conftest import TINY_TOKENIZER
 from tests.support.cyclic_garbage import cyclic_garbage
 

@@ -8,8 +8,8 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rankgate.app.prepare.text_bound import chars_per_token_bound
-from rankgate.app.prepare.tokenizer import TextTokenizer
+from rankgate.app.tokens.text_bound import chars_per_token_bound
+from rankgate.app.tokens.tokenizer import TextTokenizer
 from tests.conftest import TINY_TOKENIZER
 
 TINY = TextTokenizer(TINY_TOKENIZER)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from rankgate.app.prepare.text_split import TextSplitter, pieces, splittable
-from rankgate.app.prepare.tokenizer import LONG_TEXT_CHARS, TextTokenizer
+from rankgate.app.tokens.text_split import TextSplitter, pieces, splittable
+from rankgate.app.tokens.tokenizer import LONG_TEXT_CHARS, TextTokenizer
 from tests.conftest import TINY_TOKENIZER
 
 WORDS = (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rankgate.app.prepare.tokenizer import TextTokenizer, TokenizerNotFound, locate_tokenizer
+from rankgate.app.tokens.tokenizer import TextTokenizer, TokenizerNotFound, locate_tokenizer
 from tests.conftest import TINY_TOKENIZER
 
 

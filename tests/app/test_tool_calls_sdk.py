@@ -17,8 +17,8 @@ from typing import Any
 import openai
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.parsers.corpus import (
     WEATHER,
     deepseek_v3,

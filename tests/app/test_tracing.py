@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.observability.tracing import Tracing
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
-from rankgate.app.tracing import Tracing
 from tests.app.serving import serve_app
 from tests.support.engines import EngineUnderTest
 

@@ -11,12 +11,12 @@ import httpx
 import msgspec
 import pytest
 
-from rankgate.app import unknown_fields
-from rankgate.app.limits import InputLimits
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.edge.limits import InputLimits
+from rankgate.app.schemas import unknown_fields
 from rankgate.app.schemas.requests import ChatCompletionRequest
+from rankgate.app.schemas.unknown_fields import MAX_IGNORED
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
-from rankgate.app.unknown_fields import MAX_IGNORED
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

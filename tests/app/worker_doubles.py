@@ -8,8 +8,8 @@ import socket
 import sys
 import time
 
-from rankgate.app.settings import GatewaySettings
-from rankgate.app.workers import STARTUP_FAILED
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.serving.workers import STARTUP_FAILED
 
 
 def never_starts(

@@ -20,7 +20,7 @@ import grpc
 import httpx
 import pytest
 
-from rankgate.sidecar.proto.vllm import (
+from rankgate.wire.proto.vllm import (
     control_pb2,
     control_pb2_grpc,
     inference_pb2,

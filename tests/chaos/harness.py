@@ -15,8 +15,8 @@ import httpx
 import orjson
 from fastapi import FastAPI
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.sidecar.admission import Admission
 from tests.app.serving import serve_app

@@ -17,7 +17,7 @@ CLIENTS = ROOT / ".venv-clients"
 HERE = Path(__file__).resolve().parent
 TASKS = HERE / "lm_eval_tasks"
 DRIVERS = HERE / "drivers"
-TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TINY_TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 # The name the tokenizer goes by in the clients' hub cache, for aiperf: in offline mode it
 # looks a tokenizer up there by name and cannot load a folder. The others are given the folder
 # (transformers, offline, cannot load a hub entry that lacks a model config).

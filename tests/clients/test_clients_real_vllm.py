@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.serving import serve_app
 from tests.clients.harness import lm_eval
 from tests.support.engines import EngineUnderTest

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from rankgate.sidecar.proto.vllm import (
+from rankgate.wire.proto.vllm import (
     control_pb2,
     control_pb2_grpc,
     inference_pb2_grpc,

@@ -22,7 +22,7 @@ import zmq
 from tokenizers import Tokenizer
 from zmq.utils.monitor import recv_monitor_message
 
-from rankgate.sidecar.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.support.engines import EngineUnderTest
 
 RPC_TIMEOUT_S = 60.0

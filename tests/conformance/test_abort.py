@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.conformance.helpers import (
     RPC_TIMEOUT_S,
     FinishReason,

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance import helpers
 from tests.conftest import CONFORMANCE_BLOCK, CONFORMANCE_DP, TINY_TOKENIZER
 from tests.multimodal.clips import video, wav

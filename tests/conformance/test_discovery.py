@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rankgate.sidecar.proto.vllm import control_pb2, control_pb2_grpc
+from rankgate.wire.proto.vllm import control_pb2, control_pb2_grpc
 from tests.conformance.helpers import RPC_TIMEOUT_S, rpc_error
 from tests.support.engines import EngineUnderTest
 

@@ -25,7 +25,7 @@ import grpc
 import httpx
 import pytest
 
-from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.wire.proto.vllm import control_pb2
 from tests.conformance.helpers import (
     RPC_TIMEOUT_S,
     KvEventListener,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance import helpers
 from tests.multimodal.pictures import encode, noise
 from tests.support.engines import EngineUnderTest

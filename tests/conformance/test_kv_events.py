@@ -8,7 +8,7 @@ import grpc
 import pytest
 import zmq
 
-from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.conformance.helpers import (
     REPLAY_END_SEQ,
     KvEvent,

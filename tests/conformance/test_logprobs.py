@@ -7,7 +7,7 @@ import math
 import grpc
 import pytest
 
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance.helpers import Generation, make_request, prompt_ids, stream
 
 pytestmark = pytest.mark.timeout(120)

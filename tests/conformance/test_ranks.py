@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance.helpers import (
     KvEventListener,
     fresh_prompt,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance.helpers import make_request, prompt_ids, stream
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance.helpers import (
     EOS_TOKEN_ID,
     FinishReason,

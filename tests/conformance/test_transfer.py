@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.conformance import helpers
 from tests.conftest import TINY_TOKENIZER
 from tests.support.mock_engine import MockEngineHandle, running_mock_engine

@@ -36,7 +36,7 @@ from tests.support.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
-TINY_TOKENIZER = ROOT / "mocker" / "assets" / "tiny-tokenizer"
+TINY_TOKENIZER = ROOT / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
 # The top-level directories the image's build writes to; anything else is refused.
 IMAGE_DIRS = ("opt", "src")
 _IMAGE_PATH = re.compile(r"(?<![\w./-])/(" + "|".join(IMAGE_DIRS) + r")(?=/|\s|$|:|\"|')")

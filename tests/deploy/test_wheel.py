@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the Dockerfile copies into its build context, and so all a build may read.
-SOURCES = ("pyproject.toml", "README.md", "rankgate", "app", "sidecar", "multimodal", "mocker")
+SOURCES = ("pyproject.toml", "README.md", "setup.py", "rankgate")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,9 +47,9 @@ def test_everything_installs_under_rankgate(wheel: Path) -> None:
     tops = {name.split("/", 1)[0] for name in names}
     dist_info = {top for top in tops if top.endswith(".dist-info")}
     assert tops - dist_info == {"rankgate"}
-    for part in ("app", "sidecar", "multimodal", "mocker"):
+    for part in ("app", "sidecar", "multimodal", "mocker", "wire"):
         assert f"rankgate/{part}/__init__.py" in names
-    assert "rankgate/sidecar/proto/vllm/inference_pb2.py" in names
+    assert "rankgate/wire/proto/vllm/inference_pb2.py" in names
     assert "rankgate/mocker/assets/tiny-tokenizer/tokenizer.json" in names
     assert "rankgate/py.typed" in names
 

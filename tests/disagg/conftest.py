@@ -7,8 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.mocker.config import MockEngineConfig
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.sidecar import DisaggConfig

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from rankgate.app.cli import build_parser, settings_from_args
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from tests.app.serving import serve_app
 from tests.disagg.conftest import chat_body, engine_config
 from tests.support.mock_engine import running_mock_engine

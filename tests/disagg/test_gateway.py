@@ -15,8 +15,8 @@ import httpx
 import orjson
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.sidecar import DisaggConfig
 from rankgate.sidecar.admission import AdmissionConfig

@@ -14,11 +14,13 @@ import pytest
 import zmq
 
 from rankgate.mocker.config import MockEngineConfig
-from rankgate.sidecar.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = (
+    Path(__file__).resolve().parents[2] / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
+)
 BLOCK = 16
 
 

@@ -9,7 +9,7 @@ import msgpack
 import zmq
 from PIL import Image
 
-from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
 from tests.support.mock_engine import MockEngineHandle
 

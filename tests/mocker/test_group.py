@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from rankgate.mocker.config import ConfigError, MockEngineConfig
-from rankgate.sidecar.proto.vllm import control_pb2
+from rankgate.wire.proto.vllm import control_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 from tests.support.mock_engine import MockEngineHandle
 

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from rankgate.mocker.h2server import H2Server
-from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 from tests.support.cyclic_garbage import cyclic_garbage
 from tests.support.mock_engine import MockEngineHandle

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from PIL import Image
 
-from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 
 IMAGE = 5

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rankgate.sidecar.proto.vllm import control_pb2, inference_pb2
+from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 from tests.support.mock_engine import MockEngineHandle
 

@@ -14,7 +14,7 @@ import pytest
 from rankgate.mocker.config import ConfigError
 from rankgate.mocker.transfer import DIGEST_KEY
 from rankgate.sidecar.convert import decode_transfer_params, encode_transfer_params
-from rankgate.sidecar.proto.vllm import inference_pb2
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.mocker.conftest import Client, engine, make_config, prompt, request
 from tests.support.mock_engine import MockEngineHandle
 

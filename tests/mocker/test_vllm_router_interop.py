@@ -32,7 +32,9 @@ from tests.support.ports import free_port, free_port_range
 ROUTER = shutil.which("vllm-router") or str(
     Path(os.environ.get("VIRTUAL_ENV", ".venv")) / "bin" / "vllm-router"
 )
-TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER_DIR = (
+    Path(__file__).resolve().parents[2] / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
+)
 MODEL = "tiny-llama"
 BLOCK = 16
 API_KEY = "interop"

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.multimodal.identity import content_identity
 from tests.app.serving import serve_app

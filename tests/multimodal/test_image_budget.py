@@ -16,8 +16,8 @@ import httpx
 import pytest
 from PIL import Image
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.multimodal.errors import MediaError, MediaOverBudget
 from rankgate.multimodal.types import MediaRef

@@ -21,11 +21,11 @@ import grpc
 import httpx
 import pytest
 
+from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
-from rankgate.app.settings import GatewaySettings
 from rankgate.multimodal import MediaConfig, MediaPreparer
 from rankgate.multimodal.identity import content_identity
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.app.serving import serve_app
 from tests.conformance.helpers import KvEvent, KvEventListener, kv_listener
 from tests.multimodal.clips import encoded_audio, wav

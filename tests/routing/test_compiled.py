@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TREE = ("rankgate", "app", "sidecar", "multimodal", "mocker", "tests", "pyproject.toml", "setup.py")
+TREE = ("rankgate", "tests", "pyproject.toml", "setup.py")
 TESTS = (
     "tests/routing/test_policy.py",
     "tests/routing/test_regret.py",

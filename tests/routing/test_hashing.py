@@ -83,7 +83,7 @@ def test_images_expand_in_place() -> None:
 
 def test_keys_are_the_same_in_another_process() -> None:
     code = (
-        "from sidecar.routing.hashing import prompt_keys;"
+        "from rankgate.sidecar.routing.hashing import prompt_keys;"
         "print(prompt_keys(list(range(40)), 8, salt='s', lora_name='l').hashes)"
     )
     runs = {

@@ -1,4 +1,4 @@
-"""The router checks its predictions against the ranks' KV events (sidecar.routing.regret):
+"""The router checks its predictions against the ranks' KV events (rankgate.sidecar.routing.regret):
 predicted and realised hit tokens, and per-rank trust, from each cause of an untrustworthy view
 to its recovery. The meter on its own clock here; through the gateway and the mock in
 ``test_gateway_regret.py``."""

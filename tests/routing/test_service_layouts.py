@@ -20,7 +20,7 @@ from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.server import create_app
 from rankgate.mocker.config import GrpcServices
 from rankgate.mocker.transfer import Role
-from rankgate.sidecar.proto.vllm import control_pb2, control_pb2_grpc, kv_transfer_pb2_grpc
+from rankgate.wire.proto.vllm import control_pb2, control_pb2_grpc, kv_transfer_pb2_grpc
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine

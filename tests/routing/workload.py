@@ -37,7 +37,9 @@ from tests.support.mock_engine import running_mock_engine
 from tests.support.ports import free_port, free_port_range
 
 # The tiny tokenizer the gateway and the engine share has 3,072 ids.
-TOKENIZER = Path(__file__).resolve().parents[2] / "mocker" / "assets" / "tiny-tokenizer"
+TOKENIZER = (
+    Path(__file__).resolve().parents[2] / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
+)
 VOCAB = (100, 3000)
 Via = Literal["sidecar", "gateway"]
 
@@ -280,8 +282,8 @@ async def _client(
         finally:
             await sidecar.close()
         return
+    from rankgate.app.config.settings import GatewaySettings
     from rankgate.app.server import create_app
-    from rankgate.app.settings import GatewaySettings
     from tests.app.serving import serve_app
 
     settings = GatewaySettings(

@@ -16,14 +16,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rankgate.sidecar.proto.vllm import (
+from rankgate.sidecar.types import Delta, PreparedRequest, SamplingParams, StoppingParams
+from rankgate.wire.proto.vllm import (
     control_pb2,
     control_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
     kv_transfer_pb2_grpc,
 )
-from rankgate.sidecar.types import Delta, PreparedRequest, SamplingParams, StoppingParams
 
 Stream = Callable[[Any, Any], AsyncIterator[Any]]
 SERVING = health_pb2.HealthCheckResponse.SERVING

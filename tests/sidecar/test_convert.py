@@ -15,7 +15,6 @@ from rankgate.sidecar.convert import (
     wants_logprobs,
 )
 from rankgate.sidecar.errors import EngineFailure, InvalidRequest
-from rankgate.sidecar.proto.vllm import inference_pb2 as pb
 from rankgate.sidecar.routing.hashing import SALT_TAG
 from rankgate.sidecar.types import (
     MediaInput,
@@ -25,6 +24,7 @@ from rankgate.sidecar.types import (
     StoppingParams,
     StructuredOutput,
 )
+from rankgate.wire.proto.vllm import inference_pb2 as pb
 
 
 def prepared(**overrides: Any) -> PreparedRequest:

@@ -1,4 +1,4 @@
-"""A consumer that sends a :class:`~sidecar.DeltaSink` into ``Sidecar.generate``: the
+"""A consumer that sends a :class:`~rankgate.sidecar.DeltaSink` into ``Sidecar.generate``: the
 choice's middle deltas reach it from the engine connection's callback, in order, while it is
 ready; the first and the last are still yielded, and nothing is lost or doubled either way."""
 

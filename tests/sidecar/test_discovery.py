@@ -6,8 +6,8 @@ import pytest
 
 from rankgate.sidecar.discovery import build_discovered, served_ranks
 from rankgate.sidecar.errors import DiscoveryError
-from rankgate.sidecar.proto.vllm import control_pb2
 from rankgate.sidecar.types import RankCapacity
+from rankgate.wire.proto.vllm import control_pb2
 
 
 def model_info(**overrides: Any) -> Any:

@@ -17,10 +17,10 @@ from rankgate.sidecar.errors import (
     InvalidRequest,
     NotFound,
 )
-from rankgate.sidecar.proto.vllm import inference_pb2
 from rankgate.sidecar.routing.hashing import SALT_TAG
 from rankgate.sidecar.streams import UNPINNED_RANK
 from rankgate.sidecar.types import SamplingParams, StoppingParams
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
 from tests.sidecar.routers import FixedRouter

@@ -1,4 +1,5 @@
-"""The lean HTTP/2 gRPC client (``sidecar.http2`` behind ``sidecar.inference_client``).
+"""The lean HTTP/2 gRPC client (``rankgate.sidecar.http2`` behind
+``rankgate.sidecar.inference_client``).
 
 Against grpcio's own server: flow control both ways with messages far larger than the default
 windows, hundreds of concurrent streams, a peer stream limit, status codes with escaped
@@ -31,10 +32,11 @@ from rankgate.sidecar.errors import (
     NotFound,
     SidecarError,
 )
-from rankgate.sidecar.h2 import frames
-from rankgate.sidecar.h2.headers import HeaderDecoder
 from rankgate.sidecar.inference_client import InferenceClient
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.wire.grpc_frame import grpc_message
+from rankgate.wire.h2 import frames
+from rankgate.wire.h2.headers import HeaderDecoder
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.support.ports import free_port
 
 MAX_MESSAGE = 64 << 20
@@ -313,7 +315,7 @@ class _Peer:
     def reply(self, stream_id: int, *messages: bytes, status: int = 0, message: str = "") -> None:
         self.send(frames.HEADERS, frames.END_HEADERS, stream_id, self.headers(_OK))
         for payload in messages:
-            self.send(frames.DATA, 0, stream_id, grpc_call.grpc_message(payload))
+            self.send(frames.DATA, 0, stream_id, grpc_message(payload))
         trailers = [("grpc-status", str(status))] + ([("grpc-message", message)] if message else [])
         self.send(
             frames.HEADERS,
@@ -361,7 +363,7 @@ async def test_padding_continuation_and_split_messages() -> None:
                   b"\x03" + priority + block[:1] + b"pad")  # fmt: skip
         peer.send(frames.CONTINUATION, frames.END_HEADERS, sid, block[1:])
         # One message split over three DATA frames, the middle one padded; then two in one.
-        one = grpc_call.grpc_message(_TOKEN)
+        one = grpc_message(_TOKEN)
         peer.send(frames.DATA, 0, sid, one[:3])
         peer.send(frames.DATA, frames.PADDED, sid, b"\x02" + one[3:9] + b"\x00\x00")
         peer.send(frames.DATA, 0, sid, one[9:])
@@ -433,7 +435,7 @@ async def test_one_read_merges_at_most_max_merged_more() -> None:
     call = grpc_call.Call(inference_pb2.GenerateResponse.FromString, merge_responses)
     call.conn = conn
     call.on_headers(_OK, end_stream=False)
-    data = b"".join(grpc_call.grpc_message(_message(token_ids=[i])) for i in range(40))
+    data = b"".join(grpc_message(_message(token_ids=[i])) for i in range(40))
     call.on_data(data, len(data), False)
     call.on_headers([("grpc-status", "0")], end_stream=True)
     reads = [await call.read() for _ in range(3)]
@@ -451,7 +453,7 @@ async def test_a_declined_merge_hands_the_messages_out_in_order() -> None:
     finish = inference_pb2.FinishInfo(finish_reason=inference_pb2.FinishInfo.LENGTH)
     # Nothing may follow a finish, so these three are not merged.
     data = b"".join(
-        grpc_call.grpc_message(payload)
+        grpc_message(payload)
         for payload in (
             _message(text="a", token_ids=[1]),
             _message(text="b", token_ids=[2], finish_info=finish),
@@ -484,7 +486,7 @@ async def test_trailers_only_and_http_errors() -> None:
             )  # fmt: skip
         elif rid == "no-trailers":
             peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
-            peer.send(frames.DATA, frames.END_STREAM, sid, grpc_call.grpc_message(_TOKEN))
+            peer.send(frames.DATA, frames.END_STREAM, sid, grpc_message(_TOKEN))
         else:
             peer.reply(sid, _TOKEN, status=99)
 
@@ -521,12 +523,12 @@ async def test_a_unary_reply_is_settled_by_trailers_that_come_after_it() -> None
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         assert peer.writer is not None
         peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
-        peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(_TOKEN))
+        peer.send(frames.DATA, 0, sid, grpc_message(_TOKEN))
         await peer.writer.drain()
         # Past the client's read of the reply, so the trailers arrive in a read of their own.
         await asyncio.sleep(0.05)
         if rid == "then-another":
-            peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(_TOKEN))
+            peer.send(frames.DATA, 0, sid, grpc_message(_TOKEN))
         status = "13" if rid == "then-error" else "0"
         trailers = peer.headers([("grpc-status", status)])
         peer.send(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, sid, trailers)
@@ -732,7 +734,7 @@ async def test_data_inside_an_open_header_block_is_refused() -> None:
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         block = peer.headers(_OK)
         peer.send(frames.HEADERS, 0, sid, block[:1])
-        peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(_TOKEN))
+        peer.send(frames.DATA, 0, sid, grpc_message(_TOKEN))
         peer.send(frames.CONTINUATION, frames.END_HEADERS, sid, block[1:])
 
     await _refused_with(script, frames.ErrorCode.PROTOCOL_ERROR, "header block was interrupted")
@@ -801,7 +803,7 @@ async def test_a_frame_above_the_advertised_maximum_is_refused() -> None:
 
     async def script(peer: _Peer, sid: int, rid: str) -> None:
         peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
-        peer.send(frames.DATA, 0, sid, grpc_call.grpc_message(b"\x00" * 100_000))
+        peer.send(frames.DATA, 0, sid, grpc_message(b"\x00" * 100_000))
 
     await _refused_with(
         script, frames.ErrorCode.FRAME_SIZE_ERROR, "a frame of 100005 bytes exceeds 16384"

@@ -7,8 +7,8 @@ import pytest
 
 from rankgate.sidecar.errors import DiscoveryError
 from rankgate.sidecar.kv_sources import publisher_binds, rewrite_wildcard, validate_kv_sources
-from rankgate.sidecar.proto.vllm import control_pb2
 from rankgate.sidecar.types import KvEventSource
+from rankgate.wire.proto.vllm import control_pb2
 
 
 def source(rank: int | None, endpoint: str = "tcp://*:5557", **fields: Any) -> Any:

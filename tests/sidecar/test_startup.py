@@ -15,8 +15,8 @@ from rankgate.sidecar.config import SidecarConfig
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
 from rankgate.sidecar.health import wait_for_serving
-from rankgate.sidecar.proto.vllm import control_pb2
 from rankgate.sidecar.types import KvEventSource, RankCapacity
+from rankgate.wire.proto.vllm import control_pb2
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import (
     NOT_SERVING,

@@ -22,8 +22,6 @@ from rankgate.sidecar.errors import (
     NotFound,
     SidecarError,
 )
-from rankgate.sidecar.h2.errors import H2ConnectionError, H2StreamError
-from rankgate.sidecar.h2.frames import ErrorCode
 from rankgate.sidecar.status import (
     Status,
     error_from_h2,
@@ -32,6 +30,8 @@ from rankgate.sidecar.status import (
     error_from_rpc,
     error_from_status,
 )
+from rankgate.wire.h2.errors import H2ConnectionError, H2StreamError
+from rankgate.wire.h2.frames import ErrorCode
 
 Case = tuple[str, Callable[[], SidecarError], type[SidecarError], str]
 

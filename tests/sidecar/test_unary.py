@@ -17,10 +17,10 @@ from rankgate.sidecar.errors import (
     EngineUnavailable,
     InvalidRequest,
 )
-from rankgate.sidecar.proto.vllm import inference_pb2
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import OutputOptions, SamplingParams, StoppingParams
+from rankgate.wire.proto.vllm import inference_pb2
 from tests.sidecar import fake_vllm
 from tests.sidecar.conftest import StartSidecar
 from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
@@ -210,7 +210,7 @@ async def test_the_stream_is_still_used_when_streaming(
 
 
 async def _raw_unary(target: str) -> Any:
-    from rankgate.sidecar.proto.vllm import inference_pb2_grpc
+    from rankgate.wire.proto.vllm import inference_pb2_grpc
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub: Any = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call]

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
-TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "mocker" / "assets" / "tiny-tokenizer"
+TINY_TOKENIZER = (
+    Path(__file__).resolve().parents[2] / "rankgate" / "mocker" / "assets" / "tiny-tokenizer"
+)
 
 ADDED_TOKENS = 32_000
 

@@ -23,7 +23,7 @@ from rankgate.mocker.engine import RankEngine
 from rankgate.mocker.faults import Faults
 from rankgate.mocker.server import MockServer
 from rankgate.mocker.threaded import serving_in_thread
-from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.conftest import TINY_TOKENIZER
 from tests.support.ports import free_port, free_port_range
 
@@ -67,7 +67,7 @@ class RankStats:
 
 
 class MockFaults:
-    """Thread-safe switches for :class:`~mocker.faults.Faults`."""
+    """Thread-safe switches for :class:`~rankgate.mocker.faults.Faults`."""
 
     def __init__(self, handle: MockEngineHandle) -> None:
         self._handle = handle

@@ -1,22 +1,36 @@
-"""Waiting, in a test's own thread, for something another process does."""
+"""Waiting for a state another task, thread or process brings about: the one place tests poll.
+
+A test asserts the state it waits for, with a bound, and fails naming what it saw; it never
+sleeps a fixed time and hopes (``tests/test_house.py`` forbids that). ``wait_until`` is for a
+test's own thread, ``until`` for a coroutine on the event loop, which keeps running the tasks
+the test waits on between checks.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 INTERVAL_S = 0.05
 
 
-def wait_until(condition: Callable[[], bool], within: float, what: str = "condition") -> float:
-    """The seconds until ``condition`` held; an AssertionError naming ``what`` past ``within``."""
+def wait_until(
+    condition: Callable[[], object],
+    within: float,
+    what: str | Callable[[], str] = "condition",
+) -> float:
+    """The seconds until ``condition`` held; an AssertionError naming ``what`` past ``within``.
+
+    ``what`` may be a callable, called only on failure, to say what was seen instead.
+    """
     start = time.monotonic()
     if not wait_until_or_not(condition, within):
-        raise AssertionError(f"{what}: not within {within} s")
+        raise AssertionError(f"{_said(what)}: not within {within} s")
     return time.monotonic() - start
 
 
-def wait_until_or_not(condition: Callable[[], bool], within: float) -> bool:
+def wait_until_or_not(condition: Callable[[], object], within: float) -> bool:
     """Whether ``condition`` held within ``within`` seconds."""
     deadline = time.monotonic() + within
     while not condition():
@@ -24,3 +38,23 @@ def wait_until_or_not(condition: Callable[[], bool], within: float) -> bool:
             return False
         time.sleep(INTERVAL_S)
     return True
+
+
+async def until(
+    condition: Callable[[], object],
+    within: float,
+    what: str | Callable[[], str] = "condition",
+) -> float:
+    """The seconds until ``condition`` held, checked between turns of the running loop."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + within
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"{_said(what)}: not within {within} s")
+        await asyncio.sleep(INTERVAL_S)
+    return loop.time() - start
+
+
+def _said(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()

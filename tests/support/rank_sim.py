@@ -9,8 +9,8 @@ the same seed gives the same figures on any machine.
 Each rank schedules as vLLM's scheduler and the mock engine do: FCFS, chunked prefill under a
 token budget per step, a bounded number of running requests, a prefix cache of whole blocks
 (less vLLM's null block) with LRU eviction of blocks no request holds; a step lasts the mock's
-GPU-like timing (``mocker/config.py``). Blocks stored and evicted reach the router's KV-event
-index at the end of the step that made them, as the intake delivers vLLM's events; the
+GPU-like timing (``rankgate/mocker/config.py``). Blocks stored and evicted reach the router's
+KV-event index at the end of the step that made them, as the intake delivers vLLM's events; the
 router's load view moves through its tickets (first token, finish), as on the live path.
 """
 

@@ -388,7 +388,7 @@ def _first_hand_off(prefill_side: RealVllm, decode_side: RealVllm) -> float:
     Returns its seconds, or -1 when it did not succeed."""
     import grpc
 
-    from rankgate.sidecar.proto.vllm import inference_pb2, inference_pb2_grpc
+    from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 
     started = time.monotonic()
     ids = list(range(400, 440))

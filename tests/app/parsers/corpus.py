@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankgate.app.respond.parsers.json_calls import deepseek_token
+from rankgate.app.parsers.json_calls import deepseek_token
 
 WEATHER: dict[str, Any] = {
     "type": "function",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rankgate.app.respond.parsers import ChoiceParser, Parsed, Vocabulary, vocabulary
+from rankgate.app.parsers import ChoiceParser, Parsed, Vocabulary, vocabulary
 from tests.app.parsers.vocab import build_tokenizer
 from tests.app.test_parsers import CASES, _plan
 

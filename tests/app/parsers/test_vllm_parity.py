@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import pytest
 
-from rankgate.app.respond.parsers import (
+from rankgate.app.parsers import (
     ChoiceParser,
     Parsed,
     Tool,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
-from rankgate.app.respond.parsers.json_calls import deepseek_token
+from rankgate.app.parsers.json_calls import deepseek_token
 from tests.conftest import TINY_TOKENIZER
 
 # Markers per family: (special, ordinary added). The tiny tokenizer already has

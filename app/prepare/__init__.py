@@ -1,1 +1,0 @@
-"""From an OpenAI request to a tokenized, validated :class:`sidecar.types.PreparedRequest`."""

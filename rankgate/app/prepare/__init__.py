@@ -1,0 +1,2 @@
+"""From an OpenAI request to a tokenized, validated
+:class:`rankgate.sidecar.types.PreparedRequest`."""

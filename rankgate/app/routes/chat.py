@@ -1,0 +1,59 @@
+"""``POST /v1/chat/completions``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rankgate.app.observability.record import RequestRecord
+from rankgate.app.respond.complete import chat_completion
+from rankgate.app.respond.stream import chat_events
+from rankgate.app.routes.common import decode_body, gateway_of
+from rankgate.app.routes.generation import answer, prepare, response_context
+from rankgate.app.routes.observed import observed
+from rankgate.app.schemas.openapi import operation
+from rankgate.app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
+from rankgate.sidecar import Delta
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_class=Response,
+    summary="Create a chat completion",
+    **operation("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+)
+async def create_chat_completion(request: Request) -> Response:
+    return await observed(request, "chat", _serve)
+
+
+async def _serve(request: Request, record: RequestRecord) -> Response:
+    gateway = gateway_of(request)
+    req: ChatCompletionRequest = await decode_body(request, CHAT_DECODER)
+    prepared = await prepare(request, record, gateway, gateway.chat, req)
+    ctx = response_context(
+        gateway,
+        record,
+        req,
+        "chat",
+        (prepared.prompt_len,),
+        prepared.top_logprobs,
+        plan=prepared.plan,
+        prompt_logprobs=prepared.prompt_logprobs,
+    )
+
+    def observe(first: Delta | None) -> None:
+        gateway.chat.observe(prepared, first)
+
+    source = gateway.engine.generate(prepared.request)
+    return await answer(
+        request,
+        record,
+        source,
+        ctx,
+        chat_completion,
+        chat_events,
+        stream=req.stream,
+        on_first=observe,
+    )

@@ -1,0 +1,107 @@
+"""What every OpenAI route does the same way: body decoding, ids, headers, state lookup."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from fastapi import Request
+
+from rankgate.app.edge.headers import request_header
+from rankgate.app.edge.limits import InputLimits, check_content_type, check_shape, read_body
+from rankgate.app.errors import ApiError, from_decode_error, invalid
+from rankgate.app.gateway import Gateway
+from rankgate.app.observability.metrics import GatewayMetrics
+from rankgate.app.prepare.chat import ChatPreparer, PreparedChat
+from rankgate.app.prepare.rank import RANK_HEADER, rank_from_header
+from rankgate.app.respond.primed import Primed, close_stream, prime
+from rankgate.app.schemas.unknown_fields import decode_ignoring_unknown, unknown_field
+from rankgate.sidecar import Delta, EngineUnavailable
+
+_BODY_SIZE = "rankgate.body_size"
+_RANK_HEADER = RANK_HEADER.encode()
+
+
+def new_id() -> str:
+    return os.urandom(12).hex()
+
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway | None = getattr(request.app.state, "gateway", None)
+    if gateway is None:
+        raise EngineUnavailable("the gateway is starting", 1.0)
+    return gateway
+
+
+def metrics_of(request: Request) -> GatewayMetrics:
+    metrics: GatewayMetrics = request.app.state.metrics
+    return metrics
+
+
+async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """The body as ``decoder``'s type, after its content type, size and shape are checked;
+    its size in bytes is kept for :func:`body_size`. Fields no schema knows are ignored, as
+    vLLM does, unless the operator asked for them to be refused."""
+    limits: InputLimits = request.app.state.limits
+    check_content_type(request)
+    body = await read_body(request, limits.max_body_bytes)
+    if not body:
+        raise invalid("the request body is empty; send a JSON object", code="invalid_json")
+    await check_shape(body, limits)
+    request.scope[_BODY_SIZE] = len(body)
+    try:
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            if limits.reject_unknown_fields or unknown_field(exc) is None:
+                raise
+            return decode_ignoring_unknown(body, decoder, exc)
+    except msgspec.MsgspecError as exc:
+        raise from_decode_error(exc) from None
+    except RecursionError:
+        raise invalid("The request body nests JSON too deeply.", code="json_too_deep") from None
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not valid UTF-8: {exc}", code="invalid_json") from None
+
+
+def body_size(request: Request) -> int:
+    """Bytes of the body :func:`decode_body` read: the measure of how much work the request
+    is, whichever fields hold it."""
+    size: int = request.scope.get(_BODY_SIZE, 0)
+    return size
+
+
+def pinned_rank(request: Request) -> int | None:
+    """A client may pin a DP rank with the ``x-data-parallel-rank`` header, as with vLLM."""
+    return rank_from_header(request_header(request, _RANK_HEADER))
+
+
+async def whole_body(
+    source: AsyncIterator[Delta],
+    build: Callable[[Primed], Awaitable[bytes]],
+) -> tuple[bytes, Delta | None]:
+    """A non-streaming answer: ``build`` over all of ``source``, and the first delta.
+
+    A client that hangs up is caught by :class:`rankgate.app.serving.clients.ClientWatch`, which
+    watches from the moment the body is read and cancels this task: the cancellation drops the unary
+    engine calls at once (there is no first token to wait for). ``source`` is closed either
+    way.
+    """
+    try:
+        deltas = await prime(source)
+        first = deltas.first
+        return await build(deltas), first
+    finally:
+        await close_stream(source)
+
+
+async def observe_first(chat: ChatPreparer, prepared: PreparedChat, deltas: Primed) -> None:
+    """:meth:`ChatPreparer.observe` on a primed stream: when the engine's expanded prompt
+    turns the request away, the stream (and with it the engine request) is closed first."""
+    try:
+        chat.observe(prepared, deltas.first)
+    except ApiError:
+        await close_stream(deltas)
+        raise

@@ -1,0 +1,57 @@
+"""``POST /v1/completions``: one prompt or a batch, each fanned out to ``n`` choices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rankgate.app.observability.record import RequestRecord
+from rankgate.app.respond.complete import completion
+from rankgate.app.respond.stream import completion_events
+from rankgate.app.routes.common import decode_body, gateway_of
+from rankgate.app.routes.generation import answer, prepare, response_context
+from rankgate.app.routes.observed import observed
+from rankgate.app.schemas.openapi import operation
+from rankgate.app.schemas.requests import COMPLETION_DECODER, CompletionRequest
+from rankgate.sidecar import Delta
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/completions",
+    response_class=Response,
+    summary="Create a text completion",
+    **operation("CompletionRequest", "Completion", "Completion"),
+)
+async def create_completion(request: Request) -> Response:
+    return await observed(request, "completions", _serve)
+
+
+async def _serve(request: Request, record: RequestRecord) -> Response:
+    gateway = gateway_of(request)
+    req: CompletionRequest = await decode_body(request, COMPLETION_DECODER)
+    prepared = await prepare(request, record, gateway, gateway.completions, req)
+    ctx = response_context(
+        gateway,
+        record,
+        req,
+        "completion",
+        prepared.prompt_lengths,
+        prepared.top_logprobs,
+        echo=prepared.echo,
+        prompt_logprobs=prepared.prompt_logprobs,
+        echo_only=prepared.echo_only,
+    )
+    engine = gateway.engine
+    source: AsyncIterator[Delta]
+    if len(prepared.requests) == 1:
+        source = engine.generate(prepared.requests[0])
+    else:
+        # Every prompt's streams admitted as one: the batch runs whole or is refused whole.
+        source = engine.generate_batch(prepared.requests, req.n)
+    return await answer(
+        request, record, source, ctx, completion, completion_events, stream=req.stream
+    )

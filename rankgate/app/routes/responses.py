@@ -1,0 +1,152 @@
+"""``POST /v1/responses`` and the stored responses behind ``GET/DELETE /v1/responses/{id}``.
+
+A Responses request runs the chat pipeline (``rankgate.app.prepare.responses``): the same render,
+tokenization, structured outputs, tool and reasoning parsing, sidecar routing and admission
+as ``/v1/chat/completions``; only its input conversion and its output shape are its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rankgate.app.edge.affinity import affinity_key
+from rankgate.app.edge.auth import tenant_of
+from rankgate.app.edge.limits import InputLimits
+from rankgate.app.errors import ApiError
+from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.prepare.responses import chat_request, renamed
+from rankgate.app.respond.document import JsonDocument
+from rankgate.app.respond.primed import prime
+from rankgate.app.respond.responses import (
+    ResponseChunks,
+    ResponsesContext,
+    initial_response,
+    response_body,
+    stored_conversation,
+)
+from rankgate.app.respond.sse import DeltaEvents, EventStreamResponse
+from rankgate.app.respond.stream import guarded
+from rankgate.app.response_store import ResponseStore
+from rankgate.app.routes.common import (
+    body_size,
+    decode_body,
+    gateway_of,
+    observe_first,
+    pinned_rank,
+    whole_body,
+)
+from rankgate.app.routes.observed import engine_request_id, observed
+from rankgate.app.routes.route_header import raw_route_headers, route_headers
+from rankgate.app.schemas.openapi import json_response, operation
+from rankgate.app.schemas.requests import Message
+from rankgate.app.schemas.responses_api import RESPONSES_DECODER, ResponseDeleted, ResponseObject
+
+router = APIRouter()
+_ENCODER = msgspec.json.Encoder()
+
+
+def store_of(request: Request) -> ResponseStore:
+    store: ResponseStore = request.app.state.responses
+    return store
+
+
+@router.post(
+    "/v1/responses",
+    response_class=Response,
+    summary="Create a model response",
+    **operation("ResponsesRequest", "ResponseObject", "ResponseStreamEvent"),
+)
+async def create_response(request: Request) -> Response:
+    return await observed(request, "responses", _serve)
+
+
+async def _serve(request: Request, record: RequestRecord) -> Response:
+    gateway = gateway_of(request)
+    store = store_of(request)
+    tenant = tenant_of(request)
+    req = await decode_body(request, RESPONSES_DECODER)
+    target = await gateway.models.resolve(req.model)
+    info = gateway.engine.info
+    record.model = req.model
+    record.stream = req.stream
+    history: list[Message] = []
+    response_id = store.new_id()
+    # A chain is one conversation: every response of it carries the key of its first one.
+    chain = response_id
+    if req.previous_response_id is not None:
+        history = store.conversation(req.previous_response_id, tenant)
+        chain = store.chain(req.previous_response_id, tenant) or req.previous_response_id
+    affinity = affinity_key(request, req.prompt_cache_key, chain)
+    limits: InputLimits = request.app.state.limits
+    turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
+    rid = engine_request_id(record, req.request_id)
+    trace = record.trace
+    work = gateway.chat.prepare(
+        turn.chat,
+        request_id=rid,
+        lora_name=target.lora_name,
+        max_model_len=info.max_model_len,
+        rank=pinned_rank(request),
+        affinity=affinity,
+        trace=trace,
+        # The stored conversation is rendered too: it counts toward the work.
+        body_size=body_size(request) + (len(msgspec.json.encode(history)) if history else 0),
+    )
+    try:
+        prepared = await (work if trace is None else trace.prepare(work))
+    except ApiError as exc:
+        raise renamed(exc, turn) from None
+    tokenizer = gateway.tokenizer
+
+    def keep(response: ResponseObject, body: bytes) -> None:
+        store.put(
+            response.id, body, stored_conversation(turn.conversation, response), tenant, chain
+        )
+
+    ctx = ResponsesContext(
+        base=initial_response(req, response_id, int(time.time())),
+        plan=prepared.plan,
+        prompt_len=prepared.prompt_len,
+        count_tokens=lambda text: len(tokenizer.encode(text, False)),
+        on_done=keep if req.store else None,
+    )
+    if not req.stream:
+        source = Tracked(gateway.engine.generate(prepared.request), record)
+        body, first = await whole_body(source, lambda deltas: response_body(ctx, deltas))
+        gateway.chat.observe(prepared, first)
+        return JsonDocument(body, raw_route_headers(first))
+    deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
+    await observe_first(gateway.chat, prepared, deltas)
+    observer = observer_of(request)
+
+    def done(status: int) -> None:
+        observer.finish(record, status)
+
+    events = guarded(DeltaEvents(ResponseChunks(ctx), deltas), deltas, done)
+    return EventStreamResponse(events, route_headers(deltas.first))
+
+
+@router.get(
+    "/v1/responses/{response_id}",
+    response_class=Response,
+    summary="Retrieve a stored response",
+    responses=json_response("ResponseObject"),
+)
+async def get_response(response_id: str, request: Request) -> Response:
+    body = store_of(request).body(response_id, tenant_of(request))
+    return Response(body, media_type="application/json")
+
+
+@router.delete(
+    "/v1/responses/{response_id}",
+    response_class=Response,
+    summary="Delete a stored response",
+    responses=json_response("ResponseDeleted"),
+)
+async def delete_response(response_id: str, request: Request) -> Response:
+    store_of(request).delete(response_id, tenant_of(request))
+    return Response(_ENCODER.encode(ResponseDeleted(id=response_id)), media_type="application/json")

@@ -1,0 +1,230 @@
+"""The FastAPI application: routes, error handlers, OpenAPI, and the engine's lifecycle.
+
+Startup waits for the engine (vLLM, or the bundled mock when no ``--engine`` is given) to be
+discovered, then loads the tokenizer its model id names; failures stop the process with a
+message saying what to fix, instead of serving a gateway that can only answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from rankgate import __version__
+from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.edge.auth import install_access
+from rankgate.app.errors import install_error_handlers
+from rankgate.app.gateway import Engine, Gateway, ServingOptions
+from rankgate.app.observability.admission import AdmissionCollector
+from rankgate.app.observability.logs import AccessLog
+from rankgate.app.observability.metrics import EngineProbe, GatewayMetrics
+from rankgate.app.observability.record import RequestObserver
+from rankgate.app.prepare.media import MediaHook
+from rankgate.app.response_store import ResponseStore
+from rankgate.app.routes import chat, completions, models, ops, responses, tokenize
+from rankgate.app.schemas.openapi import install_openapi
+from rankgate.app.serving.clients import ClientWatch
+from rankgate.app.serving.demo import demo_engines
+from rankgate.app.serving.fastpath import FastPath, FastPathApp
+from rankgate.app.serving.gc_tuning import tune_after_startup
+from rankgate.app.serving.shutdown import Shutdown
+from rankgate.app.tokens.tokenizer import TokenizerNotFound, locate_tokenizer
+from rankgate.multimodal import MediaPreparer
+from rankgate.sidecar import (
+    Admission,
+    EngineInfo,
+    SharedLoadBoard,
+    SidecarError,
+    routing_metrics,
+)
+
+if TYPE_CHECKING:
+    from rankgate.app.observability.tracing import Tracing
+    from rankgate.sidecar import DisaggregatedEngine, Router, Sidecar
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    engine: Engine | None = None,
+    media: MediaHook | None = None,
+    shared_load: SharedLoadBoard | None = None,
+    prefill_load: SharedLoadBoard | None = None,
+    tracing: Tracing | None = None,
+) -> FastAPI:
+    """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here.
+
+    ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1), and
+    ``prefill_load`` of the prefill engine's under disaggregated serving;
+    ``tracing`` replaces the OTLP tracer that ``otlp_traces_endpoint`` would build.
+    """
+    if tracing is None and settings.otlp_traces_endpoint:
+        tracing = _tracing(settings.otlp_traces_endpoint)
+    registry = CollectorRegistry()
+    # Under disaggregated serving every routing series says which side's rank it is about.
+    routing_metrics(registry, sided=settings.split_serving)
+    shutdown = Shutdown(settings.shutdown_grace)
+    options = ServingOptions(
+        tokenizer=settings.tokenizer,
+        chat_template=settings.chat_template,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+        image_token_id=settings.routing.image_token_id,
+        limits=settings.limits,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            try:
+                if settings.tokenizer is not None:
+                    # Fail before starting anything when the operator's path is wrong.
+                    locate_tokenizer(settings.tokenizer, "")
+                serving = engine
+                if serving is None:
+                    serving = await _start_sidecar(
+                        settings, registry, options, stack, shared_load, prefill_load
+                    )
+                hook = media
+                if hook is None:
+                    preparer = MediaPreparer(settings.media)
+                    stack.push_async_callback(preparer.aclose)
+                    hook = preparer
+                app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+                if engine is None:
+                    # Queued requests get 503; pre-empted engine streams end with an error
+                    # event, not a cut.
+                    shutdown.on_expiry(serving.close)
+                app.state.metrics.watch_engine(_engine_probe(serving))
+                app.state.metrics.answer_flushes(asyncio.get_running_loop())
+                tune_after_startup()
+            except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
+                log.error("startup failed: %s", getattr(exc, "message", None) or exc)
+                raise
+            try:
+                yield
+            finally:
+                app.state.metrics.watch_engine(None)
+                app.state.metrics.flush()
+                app.state.gateway = None
+                if tracing is not None:
+                    # Flushes the spans still queued for export.
+                    await asyncio.to_thread(tracing.shutdown)
+
+    app = FastPathApp(
+        title="Rankgate",
+        version=__version__,
+        description="OpenAI-compatible gateway in front of vLLM with KV-cache-aware DP routing.",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.gateway = None
+    app.state.registry = registry
+    app.state.metrics = GatewayMetrics(registry)
+    app.state.metrics.expose_process()
+    app.state.observer = RequestObserver(
+        app.state.metrics, AccessLog() if settings.access_log else None
+    )
+    app.state.started_at = int(time.time())
+    # The bundled mock engine, not a vLLM: /v1/models says so.
+    app.state.demo = engine is None and settings.demo
+    app.state.limits = settings.limits
+    header = (settings.affinity_header or "").strip().lower()
+    app.state.affinity_header = header.encode("latin-1") if header else None
+    app.state.tracing = tracing
+    app.state.responses = ResponseStore(settings.responses_store, workers=settings.workers)
+    registry.register(AdmissionCollector(lambda: _admission_of(app)))
+    app.state.shutdown = shutdown
+    install_error_handlers(app)
+    hot = {
+        "/v1/chat/completions": chat.create_chat_completion,
+        "/v1/completions": completions.create_completion,
+        "/v1/responses": responses.create_response,
+    }
+    app.add_middleware(FastPath, routes=hot)
+    app.serve_directly(hot)
+    app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
+    install_access(app, settings.access)
+    for module in (chat, completions, responses, tokenize, models, ops):
+        app.include_router(module.router)
+    install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
+    return app
+
+
+def _tracing(endpoint: str) -> Tracing:
+    try:
+        from rankgate.app.observability.tracing import Tracing
+    except ImportError as exc:
+        raise ValueError(
+            f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'rankgate[tracing]' ({exc})"
+        ) from None
+    return Tracing.to_endpoint(endpoint)
+
+
+async def _start_sidecar(
+    settings: GatewaySettings,
+    registry: CollectorRegistry,
+    options: ServingOptions,
+    stack: AsyncExitStack,
+    shared_load: SharedLoadBoard | None,
+    prefill_load: SharedLoadBoard | None = None,
+) -> Engine:
+    from rankgate.sidecar import DisaggMetrics, DisaggregatedEngine, build_router, routing_for
+
+    settings = await asyncio.to_thread(stack.enter_context, demo_engines(settings))
+    routing = settings.routing_config()
+    serving: Sidecar | DisaggregatedEngine
+    if settings.prefill_engine is not None and settings.decode_engine is not None:
+        # Each side has its own router, load board and ``side`` label (rank ids repeat).
+        routing = routing_for(routing)
+        prefill = build_router(routing, registry, prefill_load, side="prefill")
+        decode = build_router(routing, registry, shared_load, side="decode")
+        serving = DisaggregatedEngine(
+            _sidecar(settings, settings.prefill_engine, prefill),
+            _sidecar(settings, settings.decode_engine, decode),
+            settings.disagg,
+            DisaggMetrics(registry),
+        )
+    else:
+        assert settings.engine is not None  # demo_engines filled it in when it was not given
+        serving = _sidecar(settings, settings.engine, build_router(routing, registry, shared_load))
+    await serving.start()
+    stack.push_async_callback(serving.close)
+    return serving
+
+
+def _sidecar(settings: GatewaySettings, endpoint: str, router: Router) -> Sidecar:
+    from rankgate.sidecar import Sidecar, SidecarConfig
+
+    config = SidecarConfig(
+        endpoint=endpoint,
+        startup_timeout=settings.startup_timeout,
+        served_model_name=settings.served_model_name,
+        health_interval=settings.health_interval,
+        decode_handoff_timeout=settings.decode_handoff_timeout,
+    )
+    return Sidecar(config, router, Admission(settings.admission, settings.workers))
+
+
+def _admission_of(app: FastAPI) -> Admission | None:
+    """The serving engine's admission, when it has one (an injected test engine may not)."""
+    gateway: Gateway | None = app.state.gateway
+    return gateway.engine.admission if gateway is not None else None
+
+
+def _engine_probe(engine: Engine) -> EngineProbe:
+    def probe() -> tuple[bool, EngineInfo | None]:
+        ready = engine.ready
+        return ready, engine.info if ready else None
+
+    return probe

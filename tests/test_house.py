@@ -1,0 +1,76 @@
+"""The house's promises, kept as tests: one real package and nothing else importable by a part's
+bare name, small modules and functions, and a suite that waits for states instead of sleeping.
+
+Each rule reads the source (the AST, or git's index), so it holds whether or not the code runs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_layering import NAMESPACE, PACKAGE, PARTS, ROOT
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+# What else the repository root holds that Python can import: the suite, the benches and the
+# developer scripts (never installed) and the build script. Anything more would be a second
+# name for product code.
+DEVELOPMENT_NAMES = {"tests", "bench", "scripts", "setup"}
+# Fakes whose sleeps are the latency they simulate, each with what it stands in for.
+SIMULATED_LATENCY = {
+    "tests/support/polling.py": "the polling helper's own interval",
+}
+
+
+def _product_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "proto" not in p.parts)
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_nothing_in_the_repository_is_a_symlink() -> None:
+    """A symlink is a text file on a checkout without them (Windows' default git), so the wheel
+    built there would differ from this one."""
+    staged = subprocess.run(
+        ["git", "ls-files", "--stage"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    links = [line.split("\t", 1)[1] for line in staged.splitlines() if line.startswith("120000")]
+    assert not links, f"symlinks in the repository: {links}"
+
+
+def _top_level_names(files: list[str]) -> set[str]:
+    """The names ``import`` finds at the root for these tracked files: a module, or a folder
+    holding Python (a package, or a namespace package when it has no ``__init__.py``)."""
+    names = set()
+    for file in files:
+        top, _, rest = file.partition("/")
+        if not rest and top.endswith(".py"):
+            names.add(top.removesuffix(".py"))
+        elif rest.endswith(".py") and top.isidentifier():
+            names.add(top)
+    return names
+
+
+def _tracked() -> list[str]:
+    return subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+
+
+def test_only_rankgate_is_a_product_name_at_the_root() -> None:
+    assert _top_level_names(_tracked()) - DEVELOPMENT_NAMES == {NAMESPACE}
+    probe = (
+        "import importlib.util, sys\n"
+        f"found = [n for n in {PARTS!r} if importlib.util.find_spec(n) is not None]\n"
+        "assert not found, found\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_root_names_are_found() -> None:
+    files = ["pkg/mod.py", "data/table.csv", "tool.py", "README.md", "a-b/x.py"]
+    assert _top_level_names(files) == {"pkg", "tool"}
