@@ -21,6 +21,17 @@ SOURCES = ("pyproject.toml", "README.md", "setup.py", "rankgate")
 pytestmark = pytest.mark.timeout(600)
 
 
+def build_wheel(source: Path, out: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(out), str(source)],
+        check=True,
+        timeout=300,
+    )  # fmt: skip
+    (built,) = out.glob("rankgate-*.whl")
+    return built
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     context = tmp_path_factory.mktemp("context")
@@ -31,15 +42,29 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copytree(src, context / name, symlinks=True, ignore=ignore)
         else:
             shutil.copy2(src, context / name)
-    out = tmp_path_factory.mktemp("dist")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(context)],
-        check=True,
-        timeout=300,
-    )  # fmt: skip
-    (built,) = out.glob("rankgate-*.whl")
-    return built
+    return build_wheel(context, tmp_path_factory.mktemp("dist"))
+
+
+def _contents(wheel: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(wheel) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+def test_a_checkout_without_symlinks_builds_the_same_wheel(tmp_path: Path) -> None:
+    """Windows' default git writes a symlink as a text file holding its target; the wheel built
+    from such a checkout must be this one, byte for byte."""
+    wheels = []
+    for symlinks in ("true", "false"):
+        clone = tmp_path / f"symlinks-{symlinks}"
+        subprocess.run(
+            ["git", "-c", f"core.symlinks={symlinks}", "clone", "-q", str(ROOT), str(clone)],
+            check=True,
+            timeout=120,
+        )
+        wheels.append(_contents(build_wheel(clone, tmp_path / f"dist-{symlinks}")))
+    with_links, without = wheels
+    assert sorted(with_links) == sorted(without)
+    assert with_links == without
 
 
 def test_everything_installs_under_rankgate(wheel: Path) -> None:
