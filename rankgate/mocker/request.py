@@ -179,40 +179,11 @@ class RequestValidator:
                 f"token_id(s) {bad_stops} in stop_token_ids are out of vocabulary. "
                 f"Vocabulary size: {self._vocab.size}"
             )
-        logprobs: LogprobSpec | None = None
-        if shape.output_logprobs:
-            candidates = req.response.output_candidates
-            select = (
-                candidates.WhichOneof("select")
-                if req.response.HasField("output_candidates")
-                else None
-            )
-            if select == "top_n":
-                logprobs = LogprobSpec(top_n=candidates.top_n)
-            elif select == "token_ids" and candidates.token_ids.ids:
-                logprobs = LogprobSpec(token_ids=tuple(candidates.token_ids.ids))
-            elif select == "all" and candidates.all:
-                logprobs = LogprobSpec(top_n=min(self._vocab.size, 20))
-            else:
-                logprobs = LogprobSpec()
+        logprobs = self._logprobs(req) if shape.output_logprobs else None
         temperature = req.temperature if req.HasField("temperature") else 0.0
         sampling = req.sampling
         seed = sampling.seed if sampling.HasField("seed") else None
-        decoding = req.decoding
-        vocab_size = self._vocab.size
-        logit_bias = dict(decoding.logit_bias)
-        if logit_bias and max(logit_bias) >= vocab_size:
-            bad_bias = [t for t in logit_bias if t >= vocab_size]
-            raise invalid_argument(
-                f"token_id(s) {bad_bias} in logit_bias are out of vocabulary. "
-                f"Vocabulary size: {vocab_size}"
-            )
-        allowed = frozenset(decoding.allowed_token_ids) if decoding.allowed_token_ids else None
-        if allowed is not None and any(t >= vocab_size for t in allowed):
-            raise invalid_argument(
-                f"token_id(s) {sorted(t for t in allowed if t >= vocab_size)} in "
-                f"allowed_token_ids are out of vocabulary. Vocabulary size: {vocab_size}"
-            )
+        logit_bias, allowed = self._token_constraints(req.decoding)
         key = context_key(prompt, lora, self._config.seed)
         seed_bytes = sample_seed(key, seed)
         return SamplingSpec(
@@ -242,6 +213,42 @@ class RequestValidator:
             eos_probability=self._config.eos_probability,
             forced=self._forced(req, seed_bytes),
         )
+
+    def _logprobs(self, req: inference_pb2.GenerateRequest) -> LogprobSpec:
+        """Which logprobs each output token carries; the sampled token's alone when the
+        request names no candidates."""
+        candidates = req.response.output_candidates
+        select = (
+            candidates.WhichOneof("select") if req.response.HasField("output_candidates") else None
+        )
+        if select == "top_n":
+            return LogprobSpec(top_n=candidates.top_n)
+        if select == "token_ids" and candidates.token_ids.ids:
+            return LogprobSpec(token_ids=tuple(candidates.token_ids.ids))
+        if select == "all" and candidates.all:
+            return LogprobSpec(top_n=min(self._vocab.size, 20))
+        return LogprobSpec()
+
+    def _token_constraints(
+        self, decoding: inference_pb2.DecodingParameters
+    ) -> tuple[dict[int, float], frozenset[int] | None]:
+        """The logit bias and the allowed tokens, refused as vLLM refuses them when they name
+        a token outside the vocabulary."""
+        vocab_size = self._vocab.size
+        logit_bias = dict(decoding.logit_bias)
+        if logit_bias and max(logit_bias) >= vocab_size:
+            bad_bias = [t for t in logit_bias if t >= vocab_size]
+            raise invalid_argument(
+                f"token_id(s) {bad_bias} in logit_bias are out of vocabulary. "
+                f"Vocabulary size: {vocab_size}"
+            )
+        allowed = frozenset(decoding.allowed_token_ids) if decoding.allowed_token_ids else None
+        if allowed is not None and any(t >= vocab_size for t in allowed):
+            raise invalid_argument(
+                f"token_id(s) {sorted(t for t in allowed if t >= vocab_size)} in "
+                f"allowed_token_ids are out of vocabulary. Vocabulary size: {vocab_size}"
+            )
+        return logit_bias, allowed
 
     def _forced(self, req: inference_pb2.GenerateRequest, seed: bytes) -> tuple[int, ...] | None:
         kind = req.decoding.WhichOneof("structured_output")
