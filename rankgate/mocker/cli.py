@@ -27,7 +27,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = MockEngineConfig()
+    """The mock engine's flags, each defaulting to :class:`MockEngineConfig`'s value; in the
+    order ``--help`` and the configuration reference list them."""
+    defaults = MockEngineConfig()
+    _add_serving(parser, defaults)
+    _add_engine(parser, defaults)
+    _add_behaviour(parser, defaults)
+    _add_disaggregation(parser, defaults)
+    parser.add_argument("--log-level", default="info")
+
+
+def _add_serving(parser: argparse.ArgumentParser, d: MockEngineConfig) -> None:
+    """Where the engine listens, which ranks it serves and which model it says it is."""
     a = parser.add_argument
     a("--host", default=d.host, help="gRPC listen host (default: %(default)s)")
     a("--port", type=int, default=d.port, help="gRPC listen port (default: %(default)s)")
@@ -53,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "unless --model-id is given, so a gateway on this machine finds it; 'none' for a "
         "made-up vocabulary (default: the bundled tiny tokenizer)",
     )
+
+
+def _add_engine(parser: argparse.ArgumentParser, d: MockEngineConfig) -> None:
+    """The simulated engine's capacity, its KV events and its timing."""
+    a = parser.add_argument
     a("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
     a("--total-kv-blocks", type=int, default=d.total_kv_blocks, help="KV blocks, all local ranks")
     a("--max-running-requests", type=int, default=d.max_running_requests, help="per rank")
@@ -77,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="> 0: every step lasts this long on a clock all ranks share, one token per running "
         "stream per step (overrides --speed's timing); 0 = off (default: %(default)s)",
     )
+
+
+def _add_behaviour(parser: argparse.ArgumentParser, d: MockEngineConfig) -> None:
+    """What the engine samples and which inputs it takes."""
+    a = parser.add_argument
     a("--seed", type=int, default=d.seed, help="base seed")
     a("--eos-probability", type=float, default=d.eos_probability)
     a("--token-ids-only", action="store_true", help="reject text prompts")
@@ -88,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--lora", action="append", default=[], help="a loaded LoRA adapter name; repeat")
     a("--startup-delay", type=float, default=0.0, help="health NOT_SERVING for this long")
+
+
+def _add_disaggregation(parser: argparse.ArgumentParser, d: MockEngineConfig) -> None:
+    """The engine's part in prefill/decode disaggregation and what a KV transfer costs."""
+    a = parser.add_argument
     a(
         "--role",
         choices=ROLES,
@@ -114,7 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a prefill engine frees KV no decode engine read after this long "
         "(vLLM's kv_lease_duration; default: %(default)s)",
     )
-    a("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
