@@ -307,40 +307,9 @@ def chat_request(
     tool_choice: Any = req.tool_choice
     if isinstance(tool_choice, ToolChoiceFunction):
         tool_choice = NamedToolChoice(function=NamedFunction(name=tool_choice.name))
-    tools = None
-    if req.tools is not None:
-        tools = [
-            Tool(
-                type="function",
-                function=FunctionDefinition(
-                    name=t.name,
-                    description=t.description,
-                    parameters=t.parameters,
-                    strict=t.strict,
-                ),
-            )
-            for t in req.tools
-        ]
-    fmt: Any = None
-    text_format = req.text.format if req.text is not None else None
-    if isinstance(text_format, FormatJsonObject):
-        fmt = ResponseFormatJsonObject()
-    elif isinstance(text_format, FormatJsonSchema):
-        fmt = ResponseFormatJsonSchema(
-            json_schema=JsonSchemaSpec(
-                name=text_format.name,
-                description=text_format.description,
-                schema=text_format.schema,
-                strict=text_format.strict,
-            )
-        )
-    logit_bias = None
-    if req.logit_bias:
-        logit_bias = {}
-        for key, bias in req.logit_bias.items():
-            if not (key.isascii() and key.isdigit()):
-                raise invalid("'logit_bias' keys must be token ids", "logit_bias")
-            logit_bias[int(key)] = bias
+    tools = _chat_tools(req)
+    fmt = _response_format(req)
+    logit_bias = _logit_bias(req)
     effort = req.reasoning.effort if req.reasoning is not None else None
     chat = ChatCompletionRequest(
         model=req.model,
@@ -380,6 +349,55 @@ def chat_request(
         conversation=tuple(conversation.messages),
         sources=tuple(sources),
     )
+
+
+def _chat_tools(req: ResponsesRequest) -> list[Tool] | None:
+    """The Responses API's flat function tools as chat's nested ones."""
+    if req.tools is None:
+        return None
+    return [
+        Tool(
+            type="function",
+            function=FunctionDefinition(
+                name=t.name,
+                description=t.description,
+                parameters=t.parameters,
+                strict=t.strict,
+            ),
+        )
+        for t in req.tools
+    ]
+
+
+def _response_format(
+    req: ResponsesRequest,
+) -> ResponseFormatJsonObject | ResponseFormatJsonSchema | None:
+    """``text.format`` as chat's ``response_format``; None for plain text."""
+    text_format = req.text.format if req.text is not None else None
+    if isinstance(text_format, FormatJsonObject):
+        return ResponseFormatJsonObject()
+    if isinstance(text_format, FormatJsonSchema):
+        return ResponseFormatJsonSchema(
+            json_schema=JsonSchemaSpec(
+                name=text_format.name,
+                description=text_format.description,
+                schema=text_format.schema,
+                strict=text_format.strict,
+            )
+        )
+    return None
+
+
+def _logit_bias(req: ResponsesRequest) -> dict[int, float] | None:
+    """The bias map keyed by token id: JSON keys are strings, chat's schema wants ints."""
+    if not req.logit_bias:
+        return None
+    logit_bias = {}
+    for key, bias in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid("'logit_bias' keys must be token ids", "logit_bias")
+        logit_bias[int(key)] = bias
+    return logit_bias
 
 
 def renamed(error: ApiError, turn: ResponsesTurn) -> ApiError:
