@@ -8,10 +8,11 @@ from typing import Any
 import msgspec
 import orjson
 
-from rankgate.app.edge.limits import InputLimits, check_engine_json, check_fanout, check_json_text
+from rankgate.app.edge.limits import InputLimits, check_engine_json, check_fanout
 from rankgate.app.errors import ApiError, invalid, unsupported
 from rankgate.app.parsers import OutputPlan, Tool, Vocabulary, plan_for
 from rankgate.app.prepare.media import MediaHook
+from rankgate.app.prepare.messages import MEDIA_NOUNS, MessageConverter
 from rankgate.app.prepare.params import (
     check_context,
     prompt_logprobs_of,
@@ -23,22 +24,10 @@ from rankgate.app.prepare.params import (
 )
 from rankgate.app.prepare.prompt_cache import PromptCache
 from rankgate.app.prepare.rank import resolve_rank
-from rankgate.app.prepare.template import ChatTemplate, ContentFormat, TemplateRenderError
+from rankgate.app.prepare.template import ChatTemplate, TemplateRenderError
 from rankgate.app.schemas.requests import (
-    AssistantMessage,
-    AudioUrlPart,
     ChatCompletionRequest,
-    DeveloperMessage,
-    ImageUrlPart,
-    InputAudioPart,
-    Message,
     NamedToolChoice,
-    RefusalPart,
-    SystemMessage,
-    TextPart,
-    ToolMessage,
-    UserMessage,
-    VideoUrlPart,
 )
 from rankgate.app.serving.offload import offload as offload_to
 from rankgate.app.tokens.tokenizer import TextTokenizer
@@ -102,129 +91,6 @@ class PreparedChat(msgspec.Struct, frozen=True, kw_only=True):
     requested: int | None = None
     max_model_len: int = 0
     counts_known: bool = True
-
-
-def _text_of(content: str | list[Any], sep: str = "\n") -> str:
-    if isinstance(content, str):
-        return content
-    return sep.join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
-
-
-_NOUNS: dict[MediaKind, str] = {"image": "images", "audio": "audio", "video": "video"}
-
-
-def _media_part(part: Any) -> MediaRef | None:
-    """The media reference an image, audio or video content part stands for."""
-    if isinstance(part, ImageUrlPart):
-        return MediaRef(url=part.image_url.url, uuid=part.uuid, detail=part.image_url.detail)
-    if isinstance(part, InputAudioPart):
-        audio = part.input_audio
-        url = f"data:audio/{audio.format.lower()};base64,{audio.data}"
-        return MediaRef(url=url, uuid=part.uuid, kind="audio")
-    if isinstance(part, AudioUrlPart):
-        return MediaRef(url=part.audio_url.url, uuid=part.uuid, kind="audio")
-    if isinstance(part, VideoUrlPart):
-        return MediaRef(url=part.video_url.url, uuid=part.uuid, kind="video")
-    return None
-
-
-class _Converter:
-    """Messages as the dicts a chat template reads, collecting media parts on the way."""
-
-    def __init__(
-        self,
-        fmt: ContentFormat,
-        placeholders: dict[MediaKind, str | None],
-        limits: InputLimits,
-    ) -> None:
-        self.fmt = fmt
-        self.placeholders = placeholders
-        self.limits = limits
-        self.media: list[MediaRef] = []
-
-    def content(self, content: str | list[Any] | None, where: str) -> Any:
-        if content is None:
-            return [] if self.fmt == "openai" else ""
-        if isinstance(content, str):
-            return [{"type": "text", "text": content}] if self.fmt == "openai" else content
-        parts: list[dict[str, Any]] = []
-        texts: list[str] = []
-        marks: list[str] = []
-        for j, part in enumerate(content):
-            if isinstance(part, TextPart):
-                parts.append({"type": "text", "text": part.text})
-                texts.append(part.text)
-            elif isinstance(part, RefusalPart):
-                parts.append({"type": "text", "text": part.refusal})
-                texts.append(part.refusal)
-            else:
-                ref = _media_part(part)
-                assert ref is not None
-                self.media.append(ref)
-                parts.append({"type": ref.kind})
-                if self.fmt == "string":
-                    placeholder = self.placeholders.get(ref.kind)
-                    if placeholder is None:
-                        raise invalid(
-                            f"this model's chat template has no {ref.kind} placeholder; "
-                            f"{_NOUNS[ref.kind]} are not supported",
-                            f"{where}.content[{j}]",
-                        )
-                    marks.append(placeholder)
-        if self.fmt == "openai":
-            return parts
-        text = "\n".join(texts)
-        if marks:
-            text = "\n".join(marks + ([text] if text else []))
-        return text
-
-    def message(self, message: Message, i: int) -> dict[str, Any]:
-        where = f"messages[{i}]"
-        if isinstance(message, SystemMessage | DeveloperMessage):
-            out: dict[str, Any] = {
-                "role": "system",
-                "content": self.content(message.content, where),
-            }
-        elif isinstance(message, UserMessage):
-            out = {"role": "user", "content": self.content(message.content, where)}
-        elif isinstance(message, ToolMessage):
-            out = {
-                "role": "tool",
-                "content": self.content(message.content, where),
-                "tool_call_id": message.tool_call_id,
-            }
-        else:
-            out = self._assistant(message, where)
-        name = getattr(message, "name", None)
-        if name is not None:
-            out["name"] = name
-        return out
-
-    def _assistant(self, message: AssistantMessage, where: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "assistant", "content": self.content(message.content, where)}
-        if message.tool_calls:
-            calls = []
-            for j, call in enumerate(message.tool_calls):
-                param = f"{where}.tool_calls[{j}].function.arguments"
-                check_json_text(call.function.arguments, param, self.limits)
-                try:
-                    arguments = orjson.loads(call.function.arguments)
-                except orjson.JSONDecodeError:
-                    raise invalid(f"'{param}' must be JSON text", param) from None
-                calls.append(
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {"name": call.function.name, "arguments": arguments},
-                    }
-                )
-            out["tool_calls"] = calls
-        reasoning = message.reasoning_content or message.reasoning
-        if reasoning is not None:
-            out["reasoning_content"] = reasoning
-        if message.refusal is not None and message.content is None:
-            out["content"] = self.content(message.refusal, where)
-        return out
 
 
 class ChatPreparer:
@@ -461,7 +327,7 @@ class ChatPreparer:
         event loop when the body is large (``body_size`` bytes: every field counts). A text
         surely longer than ``max_model_len`` tokens is refused before it is tokenized."""
         offload = body_size > OFFLOAD_BYTES
-        converter = _Converter(template.content_format, self._placeholders, self._limits)
+        converter = MessageConverter(template.content_format, self._placeholders, self._limits)
 
         def convert() -> list[dict[str, Any]]:
             return [converter.message(m, i) for i, m in enumerate(req.messages)]
@@ -524,17 +390,17 @@ class ChatPreparer:
         return ids, converter.media
 
     def _check_media_served(self, refs: list[MediaRef], model: str) -> None:
-        kinds = [kind for kind in _NOUNS if any(ref.kind == kind for ref in refs)]
+        kinds = [kind for kind in MEDIA_NOUNS if any(ref.kind == kind for ref in refs)]
         if self._media is None:
             raise unsupported(
                 "messages",
-                f"contains {' and '.join(_NOUNS[k] for k in kinds)} parts, which this gateway "
+                f"contains {' and '.join(MEDIA_NOUNS[k] for k in kinds)} parts, which this gateway "
                 "cannot serve yet",
             )
         if not self._settings.supports_images:
             raise ApiError(
                 400,
-                f"`messages` contains {' and '.join(_NOUNS[k] for k in kinds)}, but the model "
+                f"`messages` contains {' and '.join(MEDIA_NOUNS[k] for k in kinds)}, but the model "
                 f"`{model}` does not support {' or '.join(kinds)} input.",
                 param="messages",
                 code="model_not_multimodal",
@@ -549,7 +415,7 @@ class ChatPreparer:
         assert self._media is not None
         at = [0] * len(refs)
         placed = True
-        for kind in _NOUNS:
+        for kind in MEDIA_NOUNS:
             members = [i for i, ref in enumerate(refs) if ref.kind == kind]
             if not members:
                 continue
@@ -561,7 +427,7 @@ class ChatPreparer:
             if len(found) != len(members):
                 raise invalid(
                     f"the rendered prompt has {len(found)} {kind} placeholders for "
-                    f"{len(members)} {_NOUNS[kind]}",
+                    f"{len(members)} {MEDIA_NOUNS[kind]}",
                     "messages",
                 )
             for member, where in zip(members, found, strict=True):
