@@ -33,12 +33,13 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
 
+from rankgate.sidecar.routing.event_batches import batch_events, block_id, event_fields
 from rankgate.sidecar.routing.hashing import chain_hashes, chain_seed, event_block_keys
 from rankgate.sidecar.routing.index import DEVICE, EventIndex, medium_tier
 from rankgate.sidecar.routing.metrics import RoutingMetrics
@@ -51,19 +52,6 @@ BIND_RETRY_S = 0.5
 SYNC_PROBE_S = 1.0
 RESTART_PAUSE_S = 0.1
 MAX_RESTART_PAUSE_S = 5.0
-
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-)
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class IntakeSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,41 +94,6 @@ class IntakeObserver(Protocol):
     def rejected(self, slot: int, reason: str) -> None: ...
 
     def refuses(self, reason: str) -> bool: ...
-
-
-class MalformedBatch(Exception):
-    """A payload that is not an EventBatch in either known shape."""
-
-
-def batch_events(decoded: Any) -> tuple[float, list[Any]]:
-    """(publish time, events) of an EventBatch encoded as an array or as a map."""
-    if isinstance(decoded, list | tuple) and len(decoded) >= 2:
-        ts, events = decoded[0], decoded[1]
-    elif isinstance(decoded, dict):
-        ts, events = decoded.get("ts", 0.0), decoded.get("events")
-    else:
-        raise MalformedBatch(f"batch is a {type(decoded).__name__}")
-    if not isinstance(events, list | tuple):
-        raise MalformedBatch("batch has no event list")
-    return float(ts) if isinstance(ts, int | float) else 0.0, list(events)
-
-
-def event_fields(event: Any) -> tuple[str, dict[str, Any]]:
-    """(type, fields) of one event, whether a map with ``type`` or an array led by its tag."""
-    if isinstance(event, dict):
-        kind = event.get("type")
-        if not isinstance(kind, str):
-            raise MalformedBatch("event map without a string 'type'")
-        return kind, event
-    if isinstance(event, list | tuple) and event and isinstance(event[0], str):
-        kind = event[0]
-        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
-        return kind, dict(zip(names, event[1:], strict=False))
-    raise MalformedBatch(f"event is a {type(event).__name__}")
-
-
-def _block_id(value: Any) -> Hashable:
-    return tuple(value) if isinstance(value, list) else value
 
 
 class _Feed:
@@ -593,7 +546,7 @@ class KvEventIntake:
             remove = self.index.remove
             slot = feed.slot
             keys = [
-                remove(slot, tier, _block_id(block)) for block in fields.get("block_hashes") or ()
+                remove(slot, tier, block_id(block)) for block in fields.get("block_hashes") or ()
             ]
             if tier == DEVICE and self.observer is not None:
                 self.observer.removed(slot, [key for key in keys if key is not None])
@@ -621,7 +574,7 @@ class KvEventIntake:
         if parent is None:
             key = chain_seed(salt, lora_name)
         else:
-            found = self.index.parent_key(feed.slot, _block_id(parent))
+            found = self.index.parent_key(feed.slot, block_id(parent))
             if found is None:
                 self._reject(feed, "unknown_parent")
                 return
@@ -632,7 +585,7 @@ class KvEventIntake:
         store = self.index.store
         slot = feed.slot
         for block, our_key in zip(blocks, keys, strict=False):
-            store(slot, tier, _block_id(block), our_key)
+            store(slot, tier, block_id(block), our_key)
         feed.stored = True
         if tier == DEVICE and self.observer is not None:
             self.observer.stored(slot, keys)
