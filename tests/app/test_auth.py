@@ -155,8 +155,8 @@ def test_cors_when_configured_answers_preflight_without_a_key(
 
 def test_cors_headers_reach_a_whole_generation_answer(locked_metrics: httpx.Client) -> None:
     """The CORS layer adds its headers to a chat answer, which the gateway otherwise writes
-    past ``send`` in one write (``rankgate.app.serving.http1.WholeAnswer``); without an Origin the
-    same answer comes whole, without them."""
+    past ``send`` in one write (``rankgate.app.serving.http1_writers.WholeAnswer``); without an
+    Origin the same answer comes whole, without them."""
     body = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for origin in (ORIGIN, None):
         headers = bearer(KEYS[0]) | ({"Origin": origin} if origin else {})

@@ -24,14 +24,13 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, Re
 from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.server import create_app
 from rankgate.app.serving.connections import ConnectionLimits
-from rankgate.app.serving.http1 import (
-    ChunkWriter,
+from rankgate.app.serving.http1_exchange import (
     Exchange,
     FlowControl,
-    WholeAnswer,
     bad_header_name,
     bad_header_value,
 )
+from rankgate.app.serving.http1_writers import ChunkWriter, WholeAnswer
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER

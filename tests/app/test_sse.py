@@ -11,7 +11,7 @@ import pytest
 
 from rankgate.app.respond import sse
 from rankgate.app.respond.stream import _ChatChunks
-from rankgate.app.serving.http1 import ChunkWriter
+from rankgate.app.serving.http1_writers import ChunkWriter
 from tests.chaos.harness import assert_clean, chat, gateway, mock_engine, stream
 
 pytestmark = pytest.mark.timeout(90)

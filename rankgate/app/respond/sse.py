@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 from rankgate.app.errors import as_api_error
 from rankgate.app.observability.record import Tracked
 from rankgate.app.respond.primed import close_stream, unprimed
-from rankgate.app.serving.http1 import ChunkWriter
+from rankgate.app.serving.http1_writers import ChunkWriter
 from rankgate.sidecar import Delta
 
 DONE = b"data: [DONE]\n\n"
@@ -223,11 +223,11 @@ class _DirectSink:
 async def _send_encoded(events: DeltaEvents, send: Send, writer: ChunkWriter | None = None) -> int:
     """:func:`_send_chunks` for a delta stream, with the encoder called inline.
 
-    ``writer`` (the server's :class:`~rankgate.app.serving.http1.ChunkWriter`, where it has one)
-    takes every chunk after the first, which goes through ``send`` so that the layers watching the
-    stream know it has begun; a chunk it declines goes through ``send`` too. Once a delta has
-    been read past the first chunk, a sidecar stream is sent a :class:`_DirectSink`, and its
-    middle deltas no longer pass through this loop."""
+    ``writer`` (the server's :class:`~rankgate.app.serving.http1_writers.ChunkWriter`, where it
+    has one) takes every chunk after the first, which goes through ``send`` so that the layers
+    watching the stream know it has begun; a chunk it declines goes through ``send`` too. Once a
+    delta has been read past the first chunk, a sidecar stream is sent a :class:`_DirectSink`,
+    and its middle deltas no longer pass through this loop."""
     encoder = events.encoder
     chunk = encoder.chunk
     try:

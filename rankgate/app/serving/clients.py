@@ -39,7 +39,7 @@ from rankgate.app.serving.connections import (
     DisconnectNotice,
     PeerWindow,
 )
-from rankgate.app.serving.http1 import WholeAnswer
+from rankgate.app.serving.http1_writers import WholeAnswer
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class _Cycle:
     def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
         """Write a whole answer in one write, as :meth:`send` would in two messages; False
         when it must go through :meth:`send` (see
-        :class:`~rankgate.app.serving.http1.WholeAnswer`)."""
+        :class:`~rankgate.app.serving.http1_writers.WholeAnswer`)."""
         whole = self.whole
         if whole is None or not whole.write(status, headers, body):
             return False

@@ -3,8 +3,9 @@
 uvicorn runs the process (sockets, signals, lifespan, graceful shutdown) and builds one
 :class:`Http1Protocol` per connection, the class :func:`uvicorn_config` names. The protocol
 is uvicorn's httptools protocol in what the app sees (the same scope, messages and framing)
-and does less per request: the request's state is one :class:`Exchange` with plain flags
-instead of an ``asyncio.Event``, a path without escapes or a query is not parsed again, and
+and does less per request: the request's state is one
+:class:`~rankgate.app.serving.http1_exchange.Exchange` with plain flags instead of an
+``asyncio.Event``, a path without escapes or a query is not parsed again, and
 no timer is armed or cancelled per request (one sweeper per worker keeps every deadline,
 keep-alive included). Against uvicorn's own protocol that was 40 us of a request's CPU.
 
@@ -34,27 +35,27 @@ refused before the response is complete (uvicorn tells only a ``receive`` that i
 would cost a task per request to keep waiting). Every answer given here is OpenAI error JSON,
 like the app's, including a request that is not HTTP (400).
 
-Two writers go past ``send`` for the hot paths (:class:`WholeAnswer`, :class:`ChunkWriter`):
-each writes the bytes ``send`` would write, and declines whatever ``send`` must handle.
+The protocol is this module; one request's ``receive`` and ``send`` are
+:mod:`~rankgate.app.serving.http1_exchange`, what it reads of a head beyond the parser's
+callbacks and the refusals raised inside them :mod:`~rankgate.app.serving.http1_head`, and
+the writers past ``send`` with the protocol's own answers
+:mod:`~rankgate.app.serving.http1_writers`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 import socket
 import urllib.parse
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import httptools
 import uvicorn
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
-from rankgate.app.errors import ApiError
 from rankgate.app.serving.connections import (
     DISCONNECT_NOTICE,
     PEER_WINDOW,
@@ -63,467 +64,20 @@ from rankgate.app.serving.connections import (
     DisconnectNotice,
     PeerWindow,
 )
+from rankgate.app.serving.http1_exchange import EXCHANGE, Exchange, FlowControl
+from rankgate.app.serving.http1_head import (
+    METHODS,
+    BadTarget,
+    HeadTooLarge,
+    ProbesOnly,
+    split_target,
+)
+from rankgate.app.serving.http1_writers import refusal
 
 log = logging.getLogger(__name__)
 
-# The bytes a response header name or value may hold without breaking the framing (those
-# uvicorn lets through). ``bytes.translate`` deleting them leaves only the offending ones: one
-# table lookup a byte, where a regular expression's character class cost ten times that.
-_NAME_BYTES = bytes(
-    b for b in range(256) if b > 0x1F and b != 0x7F and b not in b'()<>@,;:[]={} \\"'
-)
-_VALUE_BYTES = bytes(b for b in range(256) if b == 0x09 or (b > 0x1F and b != 0x7F))
-
-
-def bad_header_name(name: bytes) -> bool:
-    return bool(name.translate(None, _NAME_BYTES))
-
-
-def bad_header_value(value: bytes) -> bool:
-    return bool(value.translate(None, _VALUE_BYTES))
-
-
 # Buffered request body past which the connection is not read until the app reads.
 HIGH_WATER = 65536
-# The scope key of the exchange a request's response goes out on (see ChunkWriter.of).
-_EXCHANGE = "rankgate.exchange"
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_METHODS = {m: m.decode() for m in (b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS")}
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
-
-
-class FlowControl:
-    """A connection's paused reading (a large body the app has not read) and writing (a
-    socket the client does not drain)."""
-
-    __slots__ = ("_transport", "_writable", "read_paused", "write_paused")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self.read_paused = False
-        self.write_paused = False
-        self._writable: asyncio.Event | None = None
-
-    async def drain(self) -> None:
-        while self.write_paused:
-            if self._writable is None:
-                self._writable = asyncio.Event()
-            await self._writable.wait()
-
-    def pause_reading(self) -> None:
-        if not self.read_paused:
-            self.read_paused = True
-            self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self.read_paused:
-            self.read_paused = False
-            self._transport.resume_reading()
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        if self._writable is not None:
-            self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        if self._writable is not None:
-            self._writable.set()
-
-
-class Exchange:
-    """One request and its response: the ASGI ``receive`` and ``send`` of one request.
-
-    The head of a response sent through ``send`` is held for what follows it: a whole JSON
-    answer's body comes in the same loop tick and leaves with it as one write (one TCP
-    segment, not two); a head with nothing after it in its tick (a stream's) goes out alone
-    at the tick's end.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_event",
-        "_held",
-        "_loop",
-        "_pending",
-        "body",
-        "chunked_encoding",
-        "default_headers",
-        "disconnected",
-        "expected_content_length",
-        "flow",
-        "keep_alive",
-        "more_body",
-        "on_response",
-        "response_complete",
-        "response_started",
-        "scope",
-        "transport",
-        "waiting_for_100_continue",
-    )
-
-    def __init__(
-        self,
-        scope: dict[str, Any],
-        transport: asyncio.Transport,
-        flow: FlowControl,
-        loop: asyncio.AbstractEventLoop,
-        default_headers: list[tuple[bytes, bytes]],
-        expect_100_continue: bool,
-        keep_alive: bool,
-        on_response: Callable[[], None],
-    ) -> None:
-        self.scope = scope
-        self.transport = transport
-        self.flow = flow
-        self._loop = loop
-        self.default_headers = default_headers
-        self.waiting_for_100_continue = expect_100_continue
-        self.keep_alive = keep_alive
-        self.on_response = on_response
-        self.disconnected = False
-        self.body = b""
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.chunked_encoding: bool | None = None
-        self.expected_content_length = 0
-        self._held: bytes | None = None
-        # Something for ``receive`` to look at: a body part, the body's end, the response's
-        # end or the client's. An event for a ``receive`` to wait on is made only when one
-        # has nothing to look at: the body is nearly always in when the app first reads.
-        self._pending = False
-        self._event: asyncio.Event | None = None
-
-    # -- the protocol's side
-
-    def notify(self) -> None:
-        self._pending = True
-        if self._event is not None:
-            self._event.set()
-
-    def client_left(self) -> None:
-        """The client is gone before the response was complete: ``send`` drops what follows,
-        ``receive`` says so, and the request's :class:`DisconnectNotice` fires."""
-        self.disconnected = True
-        self.notify()
-        notice = self.scope.get(DISCONNECT_NOTICE)
-        if notice is not None:
-            notice.fire()
-
-    def write(self, data: bytes) -> None:
-        """Write ``data``, after the head still held for it."""
-        held = self._held
-        if held is not None:
-            self._held = None
-            data = held + data
-        self.transport.write(data)
-
-    def _write_held(self) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            if not self.transport.is_closing():
-                self.transport.write(held)
-
-    def close(self) -> None:
-        self._write_held()
-        self.transport.close()
-
-    def finished(self) -> None:
-        """The response has been written whole: the state ``send`` leaves it in."""
-        self.response_complete = True
-        self.notify()
-        if not self.keep_alive:
-            self.close()
-        self.on_response()
-
-    # -- ASGI
-
-    async def run(self, app: Any) -> None:
-        try:
-            result = await app(self.scope, self.receive, self.send)
-        except BaseException as exc:
-            log.error("Exception in ASGI application", exc_info=exc)
-            if not self.response_started:
-                await self._send_500()
-            else:
-                self.close()
-        else:
-            if result is not None:
-                log.error("ASGI callable should return None, but returned '%s'.", result)
-                self.close()
-            elif not self.response_started and not self.disconnected:
-                log.error("ASGI callable returned without starting response.")
-                await self._send_500()
-            elif not self.response_complete and not self.disconnected:
-                log.error("ASGI callable returned without completing response.")
-                self.close()
-        finally:
-            self.on_response = _nothing
-
-    async def _send_500(self) -> None:
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": 500,
-                "headers": [
-                    (b"content-type", b"text/plain; charset=utf-8"),
-                    (b"content-length", b"21"),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
-
-    async def receive(self) -> dict[str, Any]:
-        if self.waiting_for_100_continue and not self.transport.is_closing():
-            self.transport.write(_CONTINUE)
-            self.waiting_for_100_continue = False
-        if not self.disconnected and not self.response_complete:
-            self.flow.resume_reading()
-            if not self._pending:
-                if self._event is None:
-                    self._event = asyncio.Event()
-                await self._event.wait()
-            self._pending = False
-            if self._event is not None:
-                self._event.clear()
-        if self.disconnected or self.response_complete:
-            return {"type": "http.disconnect"}
-        body, self.body = self.body, b""
-        return {"type": "http.request", "body": body, "more_body": self.more_body}
-
-    async def send(self, message: Mapping[str, Any]) -> None:
-        if self.flow.write_paused and not self.disconnected:
-            await self.flow.drain()
-        if self.disconnected:
-            return
-        kind = message["type"]
-        if not self.response_started:
-            if kind != "http.response.start":
-                raise RuntimeError(f"Expected 'http.response.start', but got '{kind}'.")
-            self._start(message["status"], message.get("headers", ()))
-        elif not self.response_complete:
-            if kind != "http.response.body":
-                raise RuntimeError(f"Expected 'http.response.body', but got '{kind}'.")
-            self._body(message.get("body", b""), message.get("more_body", False))
-        else:
-            raise RuntimeError(f"Unexpected '{kind}' after the response was complete.")
-
-    def _start(self, status: int, headers: Any) -> None:
-        self.response_started = True
-        self.waiting_for_100_continue = False
-        content = [STATUS_LINE[status]]
-        closing = False
-        for name, value in (*self.default_headers, *headers):
-            if bad_header_name(name):
-                raise RuntimeError("Invalid HTTP header name.")
-            if bad_header_value(value):
-                raise RuntimeError("Invalid HTTP header value.")
-            name = name.lower()
-            if name == b"content-length" and self.chunked_encoding is None:
-                self.expected_content_length = int(value.decode())
-                self.chunked_encoding = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self.expected_content_length = 0
-                self.chunked_encoding = True
-            elif name == b"connection" and b"close" in [
-                token.lower().strip() for token in value.split(b",")
-            ]:
-                self.keep_alive = False
-                closing = True
-            content += (name, b": ", value, b"\r\n")
-        if not self.keep_alive and not closing:
-            content.append(b"connection: close\r\n")
-        if (
-            self.chunked_encoding is None
-            and self.scope["method"] != "HEAD"
-            and status not in (204, 304)
-        ):
-            self.chunked_encoding = True
-            content.append(b"transfer-encoding: chunked\r\n")
-        content.append(b"\r\n")
-        self._held = b"".join(content)
-        self._loop.call_soon(self._write_held)
-
-    def _body(self, body: bytes, more_body: bool) -> None:
-        if self.scope["method"] == "HEAD":
-            self.expected_content_length = 0
-            self._write_held()
-        elif self.chunked_encoding:
-            framed = [b"%x\r\n" % len(body), body, b"\r\n"] if body else []
-            if not more_body:
-                framed.append(b"0\r\n\r\n")
-            if framed:
-                self.write(b"".join(framed))
-        else:
-            if len(body) > self.expected_content_length:
-                raise RuntimeError("Response content longer than Content-Length")
-            self.expected_content_length -= len(body)
-            if body or self._held is not None:
-                self.write(body)
-        if not more_body:
-            if self.expected_content_length != 0:
-                raise RuntimeError("Response content shorter than Content-Length")
-            self.finished()
-
-
-def _nothing() -> None:
-    pass
-
-
-def _exchange(scope: Mapping[str, Any]) -> Exchange | None:
-    """The exchange answering ``scope``'s request, while it lives; None under another server.
-    The scope holds it weakly: the exchange holds the scope, and a strong reference back
-    would leave every request's objects to the cyclic collector instead of freeing them when
-    the request ends."""
-    ref = scope.get(_EXCHANGE)
-    return None if ref is None else ref()
-
-
-class ChunkWriter:
-    """Writes a streamed response's chunks straight to the socket, past the ASGI ``send``.
-
-    A streamed token is one chunk, and each passing through ``send`` resumes a coroutine
-    per middleware layer and the server's own, to reach the one ``transport.write`` it ends
-    in. :meth:`write` makes that write itself, framed as ``send`` frames it, when nothing else
-    would happen: the response has started with chunked framing, is not complete, the client
-    is connected and the socket takes writes. Otherwise it returns False and the chunk goes
-    through ``send``, which waits for the socket to drain, or drops the chunk for a client that
-    left, as it always does.
-    """
-
-    __slots__ = ("_exchange",)
-
-    def __init__(self, exchange: Any) -> None:
-        self._exchange = exchange
-
-    @classmethod
-    def of(cls, scope: Mapping[str, Any]) -> ChunkWriter | None:
-        """The writer for the response to ``scope``'s request; None under another server.
-        Built when a stream asks for it: most responses are not streamed."""
-        exchange = _exchange(scope)
-        return None if exchange is None else cls(exchange)
-
-    def ready(self) -> bool:
-        """Whether :meth:`write` would write now."""
-        exchange = self._exchange
-        return (
-            exchange.chunked_encoding is True
-            and not exchange.response_complete
-            and not exchange.disconnected
-            and not exchange.flow.write_paused
-        )
-
-    def write(self, body: bytes) -> bool:
-        if not self.ready():
-            return False
-        self.write_ready(body)
-        return True
-
-    def write_ready(self, body: bytes) -> None:
-        """Write ``body``, :meth:`ready` having said just now that it may be written."""
-        self._exchange.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
-
-
-# Headers that change how a response is framed or whether its connection stays open.
-_FRAMING = frozenset({b"connection", b"transfer-encoding"})
-
-
-class WholeAnswer:
-    """Writes a whole response, head and body, in one write past the ASGI ``send``.
-
-    A JSON answer sent through ``send`` is two messages, each resuming a coroutine per
-    middleware layer and the server's own, whose head is then checked, lowered and framed
-    header by header. When nothing between the app and the server listens to ``send``
-    (:meth:`of` is given the ``send`` the caller holds, and answers None unless it is the
-    exchange's own), the same bytes can be written at once, and the exchange left as ``send``
-    leaves it. A response this cannot frame the same way (a header ``send`` would refuse or
-    that changes the framing, a length that does not match, a paused or closed socket) is left
-    to ``send``.
-    """
-
-    __slots__ = ("_exchange",)
-
-    def __init__(self, exchange: Exchange) -> None:
-        self._exchange = exchange
-
-    @classmethod
-    def of(cls, scope: Mapping[str, Any], send: Any) -> WholeAnswer | None:
-        exchange = _exchange(scope)
-        if exchange is None or send != exchange.send:
-            return None
-        return cls(exchange)
-
-    def write(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bool:
-        """Write the response; False (nothing written) when ``send`` must do it instead."""
-        exchange = self._exchange
-        if (
-            exchange.response_started
-            or exchange.disconnected
-            or exchange.flow.write_paused
-            or exchange.scope["method"] == "HEAD"
-        ):
-            return False
-        content = [STATUS_LINE[status]]
-        length = -1
-        for name, value in (*exchange.default_headers, *headers):
-            if name == b"content-length":
-                if not value.isdigit():
-                    return False
-                length = int(value)
-            elif name in _FRAMING or name != name.lower():
-                return False
-            content += (name, b": ", value, b"\r\n")
-        if length != len(body):
-            return False
-        if bad_header_name(b"".join(content[1::4])) or bad_header_value(b"".join(content[3::4])):
-            return False
-        if not exchange.keep_alive:
-            content.append(b"connection: close\r\n")
-        content += (b"\r\n", body)
-        exchange.response_started = True
-        exchange.waiting_for_100_continue = False
-        exchange.chunked_encoding = False
-        exchange.write(b"".join(content))
-        exchange.finished()
-        return True
-
-
-class _HeadTooLarge(Exception):
-    pass
-
-
-class _ProbesOnly(Exception):
-    """A request other than a probe on a connection let in past the cap."""
-
-
-class _BadTarget(Exception):
-    """A request target the URL parser refuses."""
-
-
-def _answer(status: int, message: str, code: str, default_headers: list[Any]) -> bytes:
-    body = ApiError(status, message, code=code).body()
-    lines = [STATUS_LINE[status]]
-    for name, value in default_headers:
-        lines.extend([name, b": ", value, b"\r\n"])
-    lines.append(
-        b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-        % len(body)
-    )
-    lines.append(body)
-    return b"".join(lines)
 
 
 class Http1Protocol(asyncio.Protocol):
@@ -674,14 +228,14 @@ class Http1Protocol(asyncio.Protocol):
                     # Parse what fits; the rest is only parsed if the head ended inside it.
                     self.parser.feed_data(data[:allowed])
                     if self._in_head:
-                        raise _HeadTooLarge
+                        raise HeadTooLarge
                     data = data[allowed:]
                 else:
                     self._head_bytes += len(data)
             self.parser.feed_data(data)
-        except _HeadTooLarge:
+        except HeadTooLarge:
             self._head_too_large()
-        except _ProbesOnly:
+        except ProbesOnly:
             self._refuse_busy()
         except httptools.HttpParserUpgrade:
             # No upgrade is served (no WebSockets, no h2c): the request is answered as plain
@@ -692,11 +246,11 @@ class Http1Protocol(asyncio.Protocol):
             log.info("ignored a request's upgrade to another protocol")
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if isinstance(cause, _HeadTooLarge):
+            if isinstance(cause, HeadTooLarge):
                 self._head_too_large()
-            elif isinstance(cause, _ProbesOnly):
+            elif isinstance(cause, ProbesOnly):
                 self._refuse_busy()
-            elif isinstance(cause, _BadTarget):
+            elif isinstance(cause, BadTarget):
                 self._refuse(400, "Invalid HTTP request target.", "invalid_http")
             else:
                 raise
@@ -725,19 +279,15 @@ class Http1Protocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         headers = self.headers
         if len(headers) > self.limits.max_headers:
-            raise _HeadTooLarge
+            raise HeadTooLarge
         url = self.url
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
             # A plain path (the usual target): nothing for the URL parser to split.
             raw_path, query = url, b""
         else:
-            try:
-                parsed = httptools.parse_url(url)
-            except httptools.HttpParserInvalidURLError as exc:
-                raise _BadTarget from exc
-            raw_path, query = parsed.path or b"/", parsed.query or b""
+            raw_path, query = split_target(url)
         if self._reserved and raw_path not in PROBE_PATHS:
-            raise _ProbesOnly
+            raise ProbesOnly
         self._in_head = False
         self._head_bytes = 0
         self._deadline = self.loop.time() + self.limits.body_timeout
@@ -758,7 +308,7 @@ class Http1Protocol(asyncio.Protocol):
             "server": self.server,
             "client": self.client,
             "scheme": self.scheme,
-            "method": _METHODS.get(method) or method.decode("ascii"),
+            "method": METHODS.get(method) or method.decode("ascii"),
             "root_path": root_path,
             "path": path,
             "raw_path": raw_path,
@@ -779,7 +329,7 @@ class Http1Protocol(asyncio.Protocol):
             http_version != "1.0" and parser.should_keep_alive(),
             self.on_response_complete,
         )
-        scope[_EXCHANGE] = weakref.ref(exchange)
+        scope[EXCHANGE] = weakref.ref(exchange)
         self._reading = exchange
         previous = self.cycle
         if previous is None or previous.response_complete:
@@ -887,7 +437,7 @@ class Http1Protocol(asyncio.Protocol):
         if cycle is not None and not cycle.response_complete:
             cycle.client_left()
         if not answered and not self.transport.is_closing():
-            self.transport.write(_answer(status, message, code, self.server_state.default_headers))
+            self.transport.write(refusal(status, message, code, self.server_state.default_headers))
         self.transport.close()
 
     def _expire(self) -> None:
