@@ -83,21 +83,10 @@ class H2Connection(H2Sending[S]):
         if self._buffer:
             data = self._buffer + data
             self._buffer = b""
-        at = 0
-        if self._preface_left:
-            expected = self._preface_left
-            seen = data[: len(expected)]
-            if not expected.startswith(seen):
-                raise self._connection_error(_PROTOCOL_ERROR, "not an HTTP/2 client preface")
-            self._preface_left = expected[len(seen) :]
-            at = len(seen)
+        at = self._take_preface(data) if self._preface_left else 0
         size = len(data)
         if self._awaiting_settings and size - at >= 9:
-            if data[at + 3] != SETTINGS or data[at + 4] & ACK:
-                raise self._connection_error(
-                    _PROTOCOL_ERROR, "the peer's first frame is not SETTINGS"
-                )
-            self._awaiting_settings = False
+            self._check_first_frame(data, at)
         streams = self.streams
         unpack = FRAME_HEAD.unpack_from
         max_frame = DEFAULT_MAX_FRAME
@@ -132,19 +121,9 @@ class H2Connection(H2Sending[S]):
                             _FLOW_CONTROL_ERROR, "DATA beyond the stream window"
                         )
                     stream.recv_window = left
-                    if flags & PADDED:
-                        if not length:
-                            raise self._connection_error(
-                                _FRAME_SIZE_ERROR, "padded DATA without its length"
-                            )
-                        pad = data[at + 9]
-                        if pad >= length:
-                            raise self._connection_error(
-                                _PROTOCOL_ERROR, "DATA padding exceeds the frame"
-                            )
-                        payload = data[at + 10 : end - pad]
-                    else:
-                        payload = data[at + 9 : end]
+                    payload = (
+                        self._unpadded(data, at, end) if flags & PADDED else data[at + 9 : end]
+                    )
                     if flags & END_STREAM:
                         stream.recv_state = REMOTE_CLOSED
                         stream.on_data(payload, length, True)
@@ -163,6 +142,33 @@ class H2Connection(H2Sending[S]):
             at = end
         if at < size:
             self._buffer = data[at:]
+
+    def _take_preface(self, data: bytes) -> int:
+        """Check what ``data`` holds of the client preface still expected (a server's first
+        bytes); the offset past it."""
+        expected = self._preface_left
+        seen = data[: len(expected)]
+        if not expected.startswith(seen):
+            raise self._connection_error(_PROTOCOL_ERROR, "not an HTTP/2 client preface")
+        self._preface_left = expected[len(seen) :]
+        return len(seen)
+
+    def _check_first_frame(self, data: bytes, at: int) -> None:
+        """The peer's first frame must be its SETTINGS (RFC 9113 section 3.4)."""
+        if data[at + 3] != SETTINGS or data[at + 4] & ACK:
+            raise self._connection_error(_PROTOCOL_ERROR, "the peer's first frame is not SETTINGS")
+        self._awaiting_settings = False
+
+    def _unpadded(self, data: bytes, at: int, end: int) -> bytes:
+        """The payload of the padded DATA frame at ``at`` (ending at ``end``), its padding
+        checked and cut."""
+        length = end - at - 9
+        if not length:
+            raise self._connection_error(_FRAME_SIZE_ERROR, "padded DATA without its length")
+        pad = data[at + 9]
+        if pad >= length:
+            raise self._connection_error(_PROTOCOL_ERROR, "DATA padding exceeds the frame")
+        return data[at + 10 : end - pad]
 
     def _connection_error(self, code: ErrorCode, message: str) -> H2ConnectionError:
         """GOAWAY for a connection error; the caller raises what this returns."""
@@ -308,19 +314,7 @@ class H2Connection(H2Sending[S]):
     def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         size = len(payload)
         if kind == SETTINGS:
-            if stream_id:
-                raise self._connection_error(_PROTOCOL_ERROR, "SETTINGS on a stream")
-            if flags & ACK:
-                if size:
-                    raise self._connection_error(_FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
-                return
-            if size % 6:
-                raise self._connection_error(_FRAME_SIZE_ERROR, "SETTINGS of an odd size")
-            self._apply_settings(payload)
-            self.out.append(frame(SETTINGS, ACK, 0))
-            if self._blocked:
-                self._drain()
-            self.on_settings()
+            self._on_settings_frame(flags, stream_id, payload)
         elif kind == WINDOW_UPDATE:
             if size != 4:
                 raise self._connection_error(_FRAME_SIZE_ERROR, "WINDOW_UPDATE of a wrong size")
@@ -372,33 +366,58 @@ class H2Connection(H2Sending[S]):
             stream.pending = None
             stream.on_reset(U32.unpack(payload)[0])
         elif kind == PING:
-            if size != 8:
-                raise self._connection_error(_FRAME_SIZE_ERROR, "PING of a wrong size")
-            if stream_id:
-                raise self._connection_error(_PROTOCOL_ERROR, "PING on a stream")
-            if flags & ACK:
-                self.on_ping_ack(payload)
-            else:
-                self.out.append(frame(PING, ACK, 0, payload))
+            self._on_ping_frame(flags, stream_id, payload)
         elif kind == GOAWAY:
-            if stream_id:
-                raise self._connection_error(_PROTOCOL_ERROR, "GOAWAY on a stream")
-            if size < 8:
-                raise self._connection_error(_FRAME_SIZE_ERROR, "GOAWAY too short")
-            last, code = GOAWAY_HEAD.unpack_from(payload)
-            self.on_goaway(last & MAX_STREAM_ID, code, payload[8:])
+            self._on_goaway_frame(stream_id, payload)
         elif kind == PRIORITY:
-            if stream_id == 0:
-                raise self._connection_error(_PROTOCOL_ERROR, "PRIORITY on stream 0")
-            if size != 5:
-                raise self._connection_error(_FRAME_SIZE_ERROR, "PRIORITY of a wrong size")
-            if U32.unpack_from(payload)[0] & MAX_STREAM_ID == stream_id:
-                raise self._connection_error(_PROTOCOL_ERROR, "a stream depends on itself")
+            self._on_priority_frame(stream_id, payload)
         elif kind == PUSH_PROMISE:
             raise self._connection_error(
                 _PROTOCOL_ERROR, "PUSH_PROMISE, which this end never allows"
             )
         # Frames of unknown types are ignored (RFC 9113 section 5.5).
+
+    def _on_settings_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise self._connection_error(_PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise self._connection_error(_FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise self._connection_error(_FRAME_SIZE_ERROR, "SETTINGS of an odd size")
+        self._apply_settings(payload)
+        self.out.append(frame(SETTINGS, ACK, 0))
+        if self._blocked:
+            self._drain()
+        self.on_settings()
+
+    def _on_ping_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 8:
+            raise self._connection_error(_FRAME_SIZE_ERROR, "PING of a wrong size")
+        if stream_id:
+            raise self._connection_error(_PROTOCOL_ERROR, "PING on a stream")
+        if flags & ACK:
+            self.on_ping_ack(payload)
+        else:
+            self.out.append(frame(PING, ACK, 0, payload))
+
+    def _on_goaway_frame(self, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise self._connection_error(_PROTOCOL_ERROR, "GOAWAY on a stream")
+        if len(payload) < 8:
+            raise self._connection_error(_FRAME_SIZE_ERROR, "GOAWAY too short")
+        last, code = GOAWAY_HEAD.unpack_from(payload)
+        self.on_goaway(last & MAX_STREAM_ID, code, payload[8:])
+
+    def _on_priority_frame(self, stream_id: int, payload: bytes) -> None:
+        """PRIORITY is checked and otherwise ignored: RFC 9113 deprecates the scheme."""
+        if stream_id == 0:
+            raise self._connection_error(_PROTOCOL_ERROR, "PRIORITY on stream 0")
+        if len(payload) != 5:
+            raise self._connection_error(_FRAME_SIZE_ERROR, "PRIORITY of a wrong size")
+        if U32.unpack_from(payload)[0] & MAX_STREAM_ID == stream_id:
+            raise self._connection_error(_PROTOCOL_ERROR, "a stream depends on itself")
 
     def _apply_settings(self, payload: bytes) -> None:
         for at in range(0, len(payload), 6):
