@@ -6,9 +6,12 @@ Each rule reads the source (the AST, or git's index), so it holds whether or not
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.test_layering import NAMESPACE, PACKAGE, PARTS, ROOT
 
@@ -74,3 +77,30 @@ def test_only_rankgate_is_a_product_name_at_the_root() -> None:
 def test_the_root_names_are_found() -> None:
     files = ["pkg/mod.py", "data/table.csv", "tool.py", "README.md", "a-b/x.py"]
     assert _top_level_names(files) == {"pkg", "tool"}
+
+
+@pytest.mark.parametrize("path", _product_modules(), ids=_rel)
+def test_a_module_fits_its_bound(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{_rel(path)}: {lines} lines; split it along a seam"
+
+
+def long_functions(source: str) -> list[tuple[str, int]]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append((node.name, length))
+    return found
+
+
+@pytest.mark.parametrize("path", _product_modules(), ids=_rel)
+def test_functions_fit_their_bound(path: Path) -> None:
+    assert not long_functions(path.read_text()), f"{_rel(path)}: over {MAX_FUNCTION_LINES} lines"
+
+
+def test_a_long_function_is_found() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}") == [("f", MAX_FUNCTION_LINES + 1)]
+    assert long_functions("def g():\n    return 1\n") == []
