@@ -15,6 +15,7 @@ from rankgate.app.edge.affinity import affinity_key
 from rankgate.app.gateway import Gateway
 from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
 from rankgate.app.parsers import OutputPlan
+from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.respond.context import NO_PARSING, ResponseContext
 from rankgate.app.respond.document import JsonDocument
 from rankgate.app.respond.logprobs import LogprobFormatter
@@ -25,7 +26,7 @@ from rankgate.app.routes.common import body_size, pinned_rank, whole_body
 from rankgate.app.routes.observed import engine_request_id
 from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.requests import SamplingFields
-from rankgate.sidecar import Delta, RequestTrace
+from rankgate.sidecar import Delta
 
 Req = TypeVar("Req", bound=SamplingFields, contravariant=True)
 Prep = TypeVar("Prep", covariant=True)
@@ -33,18 +34,7 @@ Ctx = TypeVar("Ctx")
 
 
 class Preparer(Protocol[Req, Prep]):
-    def prepare(
-        self,
-        req: Req,
-        *,
-        request_id: str,
-        lora_name: str | None,
-        max_model_len: int,
-        rank: int | None,
-        trace: RequestTrace | None = None,
-        body_size: int = 0,
-        affinity: str | None = None,
-    ) -> Awaitable[Prep]: ...
+    def prepare(self, req: Req, ctx: PrepareContext) -> Awaitable[Prep]: ...
 
 
 async def prepare(
@@ -62,8 +52,7 @@ async def prepare(
     record.stream = req.stream
     record.n = req.n
     trace = record.trace
-    work = preparer.prepare(
-        req,
+    ctx = PrepareContext(
         request_id=engine_request_id(record, req.request_id),
         lora_name=target.lora_name,
         max_model_len=info.max_model_len,
@@ -72,6 +61,7 @@ async def prepare(
         body_size=body_size(request),
         affinity=affinity_key(request, req.prompt_cache_key),
     )
+    work = preparer.prepare(req, ctx)
     return await (work if trace is None else trace.prepare(work))
 
 

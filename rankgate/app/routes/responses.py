@@ -18,6 +18,7 @@ from rankgate.app.edge.auth import tenant_of
 from rankgate.app.edge.limits import InputLimits
 from rankgate.app.errors import ApiError
 from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.prepare.responses import chat_request, renamed
 from rankgate.app.respond.document import JsonDocument
 from rankgate.app.respond.primed import prime
@@ -85,8 +86,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
     trace = record.trace
-    work = gateway.chat.prepare(
-        turn.chat,
+    preparing = PrepareContext(
         request_id=rid,
         lora_name=target.lora_name,
         max_model_len=info.max_model_len,
@@ -96,6 +96,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         # The stored conversation is rendered too: it counts toward the work.
         body_size=body_size(request) + (len(msgspec.json.encode(history)) if history else 0),
     )
+    work = gateway.chat.prepare(turn.chat, preparing)
     try:
         prepared = await (work if trace is None else trace.prepare(work))
     except ApiError as exc:
