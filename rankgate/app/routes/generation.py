@@ -12,6 +12,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from rankgate.app.edge.affinity import affinity_key
+from rankgate.app.edge.head import RequestHead
 from rankgate.app.gateway import Gateway
 from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
 from rankgate.app.parsers import OutputPlan
@@ -22,7 +23,7 @@ from rankgate.app.respond.logprobs import LogprobFormatter
 from rankgate.app.respond.primed import close_stream, prime
 from rankgate.app.respond.sse import EventStreamResponse
 from rankgate.app.respond.stream import guarded
-from rankgate.app.routes.common import body_size, pinned_rank, whole_body
+from rankgate.app.routes.common import whole_body
 from rankgate.app.routes.observed import engine_request_id
 from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.requests import SamplingFields
@@ -38,7 +39,7 @@ class Preparer(Protocol[Req, Prep]):
 
 
 async def prepare(
-    request: Request,
+    head: RequestHead,
     record: RequestRecord,
     gateway: Gateway,
     preparer: Preparer[Req, Prep],
@@ -56,10 +57,10 @@ async def prepare(
         request_id=engine_request_id(record, req.request_id),
         lora_name=target.lora_name,
         max_model_len=info.max_model_len,
-        rank=pinned_rank(request),
+        rank=head.pinned_rank(),
         trace=trace,
-        body_size=body_size(request),
-        affinity=affinity_key(request, req.prompt_cache_key),
+        body_size=head.body_size,
+        affinity=affinity_key(head, req.prompt_cache_key),
     )
     work = preparer.prepare(req, ctx)
     return await (work if trace is None else trace.prepare(work))
