@@ -10,25 +10,20 @@ from __future__ import annotations
 
 import hashlib
 
-from starlette.requests import Request
-
-from rankgate.app.edge.auth import tenant_of
-from rankgate.app.edge.headers import request_header
+from rankgate.app.edge.head import RequestHead
 
 # Longer keys are hashed: the router's table holds many, and a key is an identity, not text.
 _MAX_KEY = 128
 
 
 def affinity_key(
-    request: Request, prompt_cache_key: str | None, chain: str | None = None
+    head: RequestHead, prompt_cache_key: str | None, chain: str | None = None
 ) -> str | None:
     """The request's affinity key, or None when it names no conversation."""
-    header: bytes | None = request.app.state.affinity_header
-    name = request_header(request, header) if header else None
-    key = name or prompt_cache_key or chain
+    key = head.session or prompt_cache_key or chain
     if not key:
         return None
-    tenant = tenant_of(request)
+    tenant = head.tenant
     scoped = f"{tenant.hex()}:{key}" if tenant else f":{key}"
     if len(scoped) > _MAX_KEY:
         digest = hashlib.blake2b(scoped.encode("utf-8", "surrogatepass"), digest_size=16)

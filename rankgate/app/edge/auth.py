@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -138,9 +138,9 @@ class ApiKeyAuth:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def tenant_of(request: Request) -> bytes | None:
+def tenant_of(scope: Scope) -> bytes | None:
     """The tenant (its key's digest) a request was admitted as; None when no keys are set."""
-    state = request.scope.get("state")
+    state = scope.get("state")
     return None if state is None else state.get(_TENANT)
 
 

@@ -24,9 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.types import Receive
 
-from rankgate.app.edge.headers import request_header
 from rankgate.app.edge.json_shape import JsonShape, could_exceed, json_shape
 from rankgate.app.errors import ApiError, client_gone, invalid
 from rankgate.app.serving.offload import offload
@@ -89,10 +88,10 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
 
 
-def check_content_type(request: Request) -> None:
-    """A 415 unless the body is declared JSON: a browser's cross-site form or ``text/plain``
-    post cannot declare it without a CORS preflight, which the gateway does not grant."""
-    declared = request_header(request, b"content-type")
+def check_content_type(declared: str | None) -> None:
+    """A 415 unless the body is declared JSON (``declared``: its ``Content-Type``): a
+    browser's cross-site form or ``text/plain`` post cannot declare it without a CORS
+    preflight, which the gateway does not grant."""
     media = (declared or "").partition(";")[0].strip().lower()
     if media == _JSON_TYPES or (media.startswith("application/") and media.endswith("+json")):
         return
@@ -105,18 +104,17 @@ def check_content_type(request: Request) -> None:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes.
+async def read_body(receive: Receive, declared_length: int | None, limit: int) -> bytes:
+    """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes: at once when
+    its ``Content-Length`` (``declared_length``) says so.
 
     A client that hangs up during its upload ends the request as a client disconnect (499),
     which is its own doing, not the gateway's.
     """
-    length = request_header(request, b"content-length")
-    if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
+    if declared_length is not None and declared_length > limit:
         raise too_large(limit)
     # The ASGI messages read directly, not through ``request.stream()``: an async generator
     # per request costs more than the loop. Nothing reads the body a second time.
-    receive = request.receive
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -11,6 +11,7 @@ import orjson
 from rankgate.app.edge.limits import InputLimits, check_engine_json, check_fanout
 from rankgate.app.errors import ApiError, invalid, unsupported
 from rankgate.app.parsers import OutputPlan, Tool, Vocabulary, plan_for
+from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.prepare.media import MediaHook
 from rankgate.app.prepare.messages import MEDIA_NOUNS, MessageConverter
 from rankgate.app.prepare.params import (
@@ -37,7 +38,6 @@ from rankgate.sidecar import (
     MediaInput,
     OutputOptions,
     PreparedRequest,
-    RequestTrace,
     StoppingParams,
     StructuredOutput,
 )
@@ -126,28 +126,18 @@ class ChatPreparer:
             else None,
         }
 
-    async def prepare(
-        self,
-        req: ChatCompletionRequest,
-        *,
-        request_id: str,
-        lora_name: str | None,
-        max_model_len: int,
-        rank: int | None,
-        trace: RequestTrace | None = None,
-        body_size: int = 0,
-        affinity: str | None = None,
-    ) -> PreparedChat:
+    async def prepare(self, req: ChatCompletionRequest, ctx: PrepareContext) -> PreparedChat:
         """The engine request for ``req``, in the steps vLLM takes: check the fields, settle
         which constraint shapes the output, render and tokenize, fit the images into the
         context, check the context, assemble.
 
-        ``body_size`` (bytes of the request body) decides whether the work is done off the
+        ``ctx.body_size`` (bytes of the request body) decides whether the work is done off the
         event loop: every field counts, not only the message texts."""
-        rank = self._check_fields(req, rank)
+        rank = self._check_fields(req, ctx.rank)
+        max_model_len = ctx.max_model_len
         template = self._require_template()
         plan, structured = self._constraint(req)
-        ids, refs = await self._render(req, template, body_size, max_model_len)
+        ids, refs = await self._render(req, template, ctx.body_size, max_model_len)
         media = await self._fit_media(req, ids, refs, max_model_len) if refs else ()
         requested = req.max_completion_tokens or req.max_tokens
         # vLLM checks the context against the prompt with each image expanded.
@@ -157,7 +147,7 @@ class ChatPreparer:
         top = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = prompt_logprobs_of(req)
         prepared = PreparedRequest(
-            request_id=request_id,
+            request_id=ctx.request_id,
             prompt_token_ids=ids,
             sampling=sampling_params(req, self._tok.vocab_size),
             stopping=stopping,
@@ -172,13 +162,13 @@ class ChatPreparer:
             n=req.n,
             cache_salt=req.cache_salt,
             priority=req.priority,
-            lora_name=lora_name,
+            lora_name=ctx.lora_name,
             media=media,
             kv_transfer_params=req.kv_transfer_params,
             rank=rank,
-            affinity=affinity,
+            affinity=ctx.affinity,
             stream=req.stream,
-            trace=trace,
+            trace=ctx.trace,
         )
         return PreparedChat(
             request=prepared,

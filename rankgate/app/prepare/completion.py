@@ -7,6 +7,7 @@ from typing import cast
 
 from rankgate.app.edge.limits import InputLimits, check_engine_json, check_fanout
 from rankgate.app.errors import invalid, unsupported
+from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.prepare.params import (
     check_token_ids,
     prompt_logprobs_of,
@@ -20,7 +21,7 @@ from rankgate.app.prepare.rank import resolve_rank
 from rankgate.app.schemas.requests import CompletionRequest
 from rankgate.app.serving.offload import offload
 from rankgate.app.tokens.tokenizer import TextTokenizer
-from rankgate.sidecar import OutputOptions, PreparedRequest, RequestTrace
+from rankgate.sidecar import OutputOptions, PreparedRequest
 
 MAX_PROMPTS = 256
 # Requests with bodies larger than this (bytes) are checked and tokenized off the event loop.
@@ -102,22 +103,11 @@ class CompletionPreparer:
         self._tok = tokenizer
         self._limits = limits or InputLimits()
 
-    async def prepare(
-        self,
-        req: CompletionRequest,
-        *,
-        request_id: str,
-        lora_name: str | None,
-        max_model_len: int,
-        rank: int | None,
-        trace: RequestTrace | None = None,
-        body_size: int = 0,
-        affinity: str | None = None,
-    ) -> PreparedCompletion:
-        """``body_size`` (bytes of the request body) decides whether the prompts are checked
-        and tokenized off the event loop."""
+    async def prepare(self, req: CompletionRequest, ctx: PrepareContext) -> PreparedCompletion:
+        """``ctx.body_size`` (bytes of the request body) decides whether the prompts are
+        checked and tokenized off the event loop."""
         refuse_unsupported(req, _COMPLETION_REFUSED)
-        rank = resolve_rank(req.data_parallel_rank, rank)
+        rank = resolve_rank(req.data_parallel_rank, ctx.rank)
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "is supported only when equal to n")
         if req.max_tokens == 0 and not req.echo:
@@ -125,34 +115,15 @@ class CompletionPreparer:
         if req.kv_transfer_params:
             check_engine_json(req.kv_transfer_params, "kv_transfer_params")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        args = (req, add_special, request_id, lora_name, max_model_len, rank, trace, affinity)
-        if body_size > OFFLOAD_BYTES:
-            return await offload(body_size, self._build, *args)
-        return self._build(*args)
+        if ctx.body_size > OFFLOAD_BYTES:
+            return await offload(ctx.body_size, self._build, req, add_special, ctx, rank)
+        return self._build(req, add_special, ctx, rank)
 
     def _build(
-        self,
-        req: CompletionRequest,
-        add_special: bool,
-        request_id: str,
-        lora_name: str | None,
-        max_model_len: int,
-        rank: int | None,
-        trace: RequestTrace | None,
-        affinity: str | None,
+        self, req: CompletionRequest, add_special: bool, ctx: PrepareContext, rank: int | None
     ) -> PreparedCompletion:
-        prompts, token_prompts = self._tokenize(req, add_special, max_model_len)
-        return self._requests(
-            req,
-            prompts,
-            token_prompts,
-            request_id,
-            lora_name,
-            max_model_len,
-            rank,
-            trace,
-            affinity,
-        )
+        prompts, token_prompts = self._tokenize(req, add_special, ctx.max_model_len)
+        return self._requests(req, prompts, token_prompts, ctx, rank)
 
     def _tokenize(
         self, req: CompletionRequest, add_special: bool, max_model_len: int
@@ -191,13 +162,10 @@ class CompletionPreparer:
         req: CompletionRequest,
         prompts: list[Prompt],
         token_prompts: list[list[int]],
-        request_id: str,
-        lora_name: str | None,
-        max_model_len: int,
+        ctx: PrepareContext,
         rank: int | None,
-        trace: RequestTrace | None,
-        affinity: str | None,
     ) -> PreparedCompletion:
+        request_id, max_model_len = ctx.request_id, ctx.max_model_len
         sampling = sampling_params(req, self._tok.vocab_size)
         structured = structured_output(req, self._limits)
         prompt_logprobs = prompt_logprobs_of(req, default=req.logprobs if req.echo else None)
@@ -233,12 +201,12 @@ class CompletionPreparer:
                     n=req.n,
                     cache_salt=req.cache_salt,
                     priority=req.priority,
-                    lora_name=lora_name,
+                    lora_name=ctx.lora_name,
                     kv_transfer_params=req.kv_transfer_params,
                     rank=rank,
-                    affinity=affinity,
+                    affinity=ctx.affinity,
                     stream=req.stream,
-                    trace=trace,
+                    trace=ctx.trace,
                 )
             )
         echo: tuple[str, ...] | None = None

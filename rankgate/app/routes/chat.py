@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from rankgate.app.edge.head import RequestHead
 from rankgate.app.observability.record import RequestRecord
 from rankgate.app.respond.complete import chat_completion
 from rankgate.app.respond.stream import chat_events
@@ -12,7 +13,7 @@ from rankgate.app.routes.common import decode_body, gateway_of
 from rankgate.app.routes.generation import answer, prepare, response_context
 from rankgate.app.routes.observed import observed
 from rankgate.app.schemas.openapi import operation
-from rankgate.app.schemas.requests import CHAT_DECODER, ChatCompletionRequest
+from rankgate.app.schemas.requests import CHAT_DECODER
 from rankgate.sidecar import Delta
 
 router = APIRouter()
@@ -28,10 +29,10 @@ async def create_chat_completion(request: Request) -> Response:
     return await observed(request, "chat", _serve)
 
 
-async def _serve(request: Request, record: RequestRecord) -> Response:
+async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> Response:
     gateway = gateway_of(request)
-    req: ChatCompletionRequest = await decode_body(request, CHAT_DECODER)
-    prepared = await prepare(request, record, gateway, gateway.chat, req)
+    req, head = await decode_body(request, head, CHAT_DECODER)
+    prepared = await prepare(head, record, gateway, gateway.chat, req)
     ctx = response_context(
         gateway,
         record,

@@ -1,27 +1,25 @@
-"""What every OpenAI route does the same way: body decoding, ids, headers, state lookup."""
+"""What every OpenAI route does the same way: body decoding, ids, state lookup."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 from fastapi import Request
 
-from rankgate.app.edge.headers import request_header
+from rankgate.app.edge.head import RequestHead
 from rankgate.app.edge.limits import InputLimits, check_content_type, check_shape, read_body
 from rankgate.app.errors import ApiError, from_decode_error, invalid
 from rankgate.app.gateway import Gateway
 from rankgate.app.observability.metrics import GatewayMetrics
 from rankgate.app.prepare.chat import ChatPreparer, PreparedChat
-from rankgate.app.prepare.rank import RANK_HEADER, rank_from_header
 from rankgate.app.respond.primed import Primed, close_stream, prime
 from rankgate.app.schemas.unknown_fields import decode_ignoring_unknown, unknown_field
 from rankgate.sidecar import Delta, EngineUnavailable
 
-_BODY_SIZE = "rankgate.body_size"
-_RANK_HEADER = RANK_HEADER.encode()
+T = TypeVar("T")
 
 
 def new_id() -> str:
@@ -40,42 +38,32 @@ def metrics_of(request: Request) -> GatewayMetrics:
     return metrics
 
 
-async def decode_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
-    """The body as ``decoder``'s type, after its content type, size and shape are checked;
-    its size in bytes is kept for :func:`body_size`. Fields no schema knows are ignored, as
-    vLLM does, unless the operator asked for them to be refused."""
+async def decode_body(
+    request: Request, head: RequestHead, decoder: msgspec.json.Decoder[T]
+) -> tuple[T, RequestHead]:
+    """The body as ``decoder``'s type, after its content type, size and shape are checked,
+    and the head with the body's size. Fields no schema knows are ignored, as vLLM does,
+    unless the operator asked for them to be refused."""
     limits: InputLimits = request.app.state.limits
-    check_content_type(request)
-    body = await read_body(request, limits.max_body_bytes)
+    check_content_type(head.content_type)
+    body = await read_body(request.receive, head.declared_length, limits.max_body_bytes)
     if not body:
         raise invalid("the request body is empty; send a JSON object", code="invalid_json")
     await check_shape(body, limits)
-    request.scope[_BODY_SIZE] = len(body)
+    head = msgspec.structs.replace(head, body_size=len(body))
     try:
         try:
-            return decoder.decode(body)
+            return decoder.decode(body), head
         except msgspec.ValidationError as exc:
             if limits.reject_unknown_fields or unknown_field(exc) is None:
                 raise
-            return decode_ignoring_unknown(body, decoder, exc)
+            return decode_ignoring_unknown(body, decoder, exc), head
     except msgspec.MsgspecError as exc:
         raise from_decode_error(exc) from None
     except RecursionError:
         raise invalid("The request body nests JSON too deeply.", code="json_too_deep") from None
     except UnicodeDecodeError as exc:
         raise invalid(f"the request body is not valid UTF-8: {exc}", code="invalid_json") from None
-
-
-def body_size(request: Request) -> int:
-    """Bytes of the body :func:`decode_body` read: the measure of how much work the request
-    is, whichever fields hold it."""
-    size: int = request.scope.get(_BODY_SIZE, 0)
-    return size
-
-
-def pinned_rank(request: Request) -> int | None:
-    """A client may pin a DP rank with the ``x-data-parallel-rank`` header, as with vLLM."""
-    return rank_from_header(request_header(request, _RANK_HEADER))
 
 
 async def whole_body(

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from rankgate.app.edge.head import RequestHead
 from rankgate.app.observability.record import RequestRecord
 from rankgate.app.respond.complete import completion
 from rankgate.app.respond.stream import completion_events
@@ -14,7 +15,7 @@ from rankgate.app.routes.common import decode_body, gateway_of
 from rankgate.app.routes.generation import answer, prepare, response_context
 from rankgate.app.routes.observed import observed
 from rankgate.app.schemas.openapi import operation
-from rankgate.app.schemas.requests import COMPLETION_DECODER, CompletionRequest
+from rankgate.app.schemas.requests import COMPLETION_DECODER
 from rankgate.sidecar import Delta
 
 router = APIRouter()
@@ -30,10 +31,10 @@ async def create_completion(request: Request) -> Response:
     return await observed(request, "completions", _serve)
 
 
-async def _serve(request: Request, record: RequestRecord) -> Response:
+async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> Response:
     gateway = gateway_of(request)
-    req: CompletionRequest = await decode_body(request, COMPLETION_DECODER)
-    prepared = await prepare(request, record, gateway, gateway.completions, req)
+    req, head = await decode_body(request, head, COMPLETION_DECODER)
+    prepared = await prepare(head, record, gateway, gateway.completions, req)
     ctx = response_context(
         gateway,
         record,

@@ -12,20 +12,22 @@ from fastapi import Request
 from starlette.responses import Response
 
 from rankgate.app.edge.affinity import affinity_key
+from rankgate.app.edge.head import RequestHead
 from rankgate.app.gateway import Gateway
 from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
 from rankgate.app.parsers import OutputPlan
+from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.respond.context import NO_PARSING, ResponseContext
 from rankgate.app.respond.document import JsonDocument
 from rankgate.app.respond.logprobs import LogprobFormatter
 from rankgate.app.respond.primed import close_stream, prime
 from rankgate.app.respond.sse import EventStreamResponse
 from rankgate.app.respond.stream import guarded
-from rankgate.app.routes.common import body_size, pinned_rank, whole_body
+from rankgate.app.routes.common import whole_body
 from rankgate.app.routes.observed import engine_request_id
 from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.requests import SamplingFields
-from rankgate.sidecar import Delta, RequestTrace
+from rankgate.sidecar import Delta
 
 Req = TypeVar("Req", bound=SamplingFields, contravariant=True)
 Prep = TypeVar("Prep", covariant=True)
@@ -33,22 +35,11 @@ Ctx = TypeVar("Ctx")
 
 
 class Preparer(Protocol[Req, Prep]):
-    def prepare(
-        self,
-        req: Req,
-        *,
-        request_id: str,
-        lora_name: str | None,
-        max_model_len: int,
-        rank: int | None,
-        trace: RequestTrace | None = None,
-        body_size: int = 0,
-        affinity: str | None = None,
-    ) -> Awaitable[Prep]: ...
+    def prepare(self, req: Req, ctx: PrepareContext) -> Awaitable[Prep]: ...
 
 
 async def prepare(
-    request: Request,
+    head: RequestHead,
     record: RequestRecord,
     gateway: Gateway,
     preparer: Preparer[Req, Prep],
@@ -62,16 +53,16 @@ async def prepare(
     record.stream = req.stream
     record.n = req.n
     trace = record.trace
-    work = preparer.prepare(
-        req,
+    ctx = PrepareContext(
         request_id=engine_request_id(record, req.request_id),
         lora_name=target.lora_name,
         max_model_len=info.max_model_len,
-        rank=pinned_rank(request),
+        rank=head.pinned_rank(),
         trace=trace,
-        body_size=body_size(request),
-        affinity=affinity_key(request, req.prompt_cache_key),
+        body_size=head.body_size,
+        affinity=affinity_key(head, req.prompt_cache_key),
     )
+    work = preparer.prepare(req, ctx)
     return await (work if trace is None else trace.prepare(work))
 
 

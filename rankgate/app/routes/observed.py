@@ -14,31 +14,32 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rankgate.app.edge.headers import request_header
-from rankgate.app.edge.request_id import HEADER, from_header, is_safe
+from rankgate.app.edge.head import RequestHead, read_head
+from rankgate.app.edge.request_id import HEADER, is_safe
 from rankgate.app.errors import as_api_error
 from rankgate.app.observability.record import RequestRecord, observer_of
 from rankgate.app.respond.sse import EventStreamResponse
 
-Serve = Callable[[Request, RequestRecord], Awaitable[Response]]
+Serve = Callable[[Request, RequestHead, RequestRecord], Awaitable[Response]]
 CLIENT_GONE = 499
 _HEADER = HEADER.encode()
 
 
 async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
+    """``serve`` answers the request. Its head is read here, once, before anything can be
+    refused, so that every answer carries the request's id."""
     observer = observer_of(request)
-    header = request_header(request, _HEADER)
-    request_id, problem = from_header(header)
-    record = observer.begin(endpoint, request_id, header is not None and problem is None)
+    head = read_head(request.scope, request.app.state.affinity_header)
+    record = observer.begin(endpoint, head.request_id, head.client_named)
     tracing = request.app.state.tracing
     if tracing is not None:
         record.trace = tracing.begin(
             request.method, request.url.path, request.headers, record.request_id
         )
     try:
-        if problem is not None:
-            raise problem
-        response = await serve(request, record)
+        if head.id_refused is not None:
+            raise head.id_refused
+        response = await serve(request, head, record)
     except asyncio.CancelledError:
         observer.finish(record, CLIENT_GONE)
         raise

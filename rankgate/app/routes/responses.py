@@ -15,9 +15,11 @@ from starlette.responses import Response
 
 from rankgate.app.edge.affinity import affinity_key
 from rankgate.app.edge.auth import tenant_of
+from rankgate.app.edge.head import RequestHead
 from rankgate.app.edge.limits import InputLimits
 from rankgate.app.errors import ApiError
 from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.prepare.responses import chat_request, renamed
 from rankgate.app.respond.document import JsonDocument
 from rankgate.app.respond.primed import prime
@@ -31,14 +33,7 @@ from rankgate.app.respond.responses import (
 from rankgate.app.respond.sse import DeltaEvents, EventStreamResponse
 from rankgate.app.respond.stream import guarded
 from rankgate.app.response_store import ResponseStore
-from rankgate.app.routes.common import (
-    body_size,
-    decode_body,
-    gateway_of,
-    observe_first,
-    pinned_rank,
-    whole_body,
-)
+from rankgate.app.routes.common import decode_body, gateway_of, observe_first, whole_body
 from rankgate.app.routes.observed import engine_request_id, observed
 from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.openapi import json_response, operation
@@ -64,11 +59,11 @@ async def create_response(request: Request) -> Response:
     return await observed(request, "responses", _serve)
 
 
-async def _serve(request: Request, record: RequestRecord) -> Response:
+async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> Response:
     gateway = gateway_of(request)
     store = store_of(request)
-    tenant = tenant_of(request)
-    req = await decode_body(request, RESPONSES_DECODER)
+    tenant = head.tenant
+    req, head = await decode_body(request, head, RESPONSES_DECODER)
     target = await gateway.models.resolve(req.model)
     info = gateway.engine.info
     record.model = req.model
@@ -80,22 +75,22 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     if req.previous_response_id is not None:
         history = store.conversation(req.previous_response_id, tenant)
         chain = store.chain(req.previous_response_id, tenant) or req.previous_response_id
-    affinity = affinity_key(request, req.prompt_cache_key, chain)
+    affinity = affinity_key(head, req.prompt_cache_key, chain)
     limits: InputLimits = request.app.state.limits
     turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
     trace = record.trace
-    work = gateway.chat.prepare(
-        turn.chat,
+    preparing = PrepareContext(
         request_id=rid,
         lora_name=target.lora_name,
         max_model_len=info.max_model_len,
-        rank=pinned_rank(request),
+        rank=head.pinned_rank(),
         affinity=affinity,
         trace=trace,
         # The stored conversation is rendered too: it counts toward the work.
-        body_size=body_size(request) + (len(msgspec.json.encode(history)) if history else 0),
+        body_size=head.body_size + (len(msgspec.json.encode(history)) if history else 0),
     )
+    work = gateway.chat.prepare(turn.chat, preparing)
     try:
         prepared = await (work if trace is None else trace.prepare(work))
     except ApiError as exc:
@@ -137,7 +132,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
     responses=json_response("ResponseObject"),
 )
 async def get_response(response_id: str, request: Request) -> Response:
-    body = store_of(request).body(response_id, tenant_of(request))
+    body = store_of(request).body(response_id, tenant_of(request.scope))
     return Response(body, media_type="application/json")
 
 
@@ -148,5 +143,5 @@ async def get_response(response_id: str, request: Request) -> Response:
     responses=json_response("ResponseDeleted"),
 )
 async def delete_response(response_id: str, request: Request) -> Response:
-    store_of(request).delete(response_id, tenant_of(request))
+    store_of(request).delete(response_id, tenant_of(request.scope))
     return Response(_ENCODER.encode(ResponseDeleted(id=response_id)), media_type="application/json")

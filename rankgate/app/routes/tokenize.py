@@ -17,11 +17,12 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from rankgate.app.edge.head import read_head
 from rankgate.app.errors import ApiError, invalid, unsupported
 from rankgate.app.gateway import Gateway
 from rankgate.app.prepare.chat import OFFLOAD_BYTES
 from rankgate.app.prepare.params import check_token_ids, refuse_unfitting_text
-from rankgate.app.routes.common import body_size, decode_body, gateway_of
+from rankgate.app.routes.common import decode_body, gateway_of
 from rankgate.app.schemas.openapi import json_response
 from rankgate.app.schemas.requests import ChatCompletionRequest
 from rankgate.app.schemas.tokenize import (
@@ -62,10 +63,10 @@ def _json(value: msgspec.Struct) -> Response:
 )
 async def tokenize(request: Request) -> Response:
     gateway = gateway_of(request)
-    req: TokenizeRequest = await decode_body(request, TOKENIZE_DECODER)
+    req, head = await decode_body(request, read_head(request.scope, None), TOKENIZE_DECODER)
     if req.model is not None:
         await gateway.models.resolve(req.model)
-    size = body_size(request)
+    size = head.body_size
     max_model_len = gateway.engine.info.max_model_len
     ids = await _tokens(gateway, req, size, max_model_len)
     if len(ids) > max_model_len:
@@ -143,7 +144,7 @@ async def _tokens(
 )
 async def detokenize(request: Request) -> Response:
     gateway = gateway_of(request)
-    req = await decode_body(request, DETOKENIZE_DECODER)
+    req, head = await decode_body(request, read_head(request.scope, None), DETOKENIZE_DECODER)
     if req.model is not None:
         await gateway.models.resolve(req.model)
 
@@ -155,7 +156,7 @@ async def detokenize(request: Request) -> Response:
         check_token_ids(req.tokens, gateway.tokenizer.vocab_size, "tokens")
         return gateway.tokenizer.decode(req.tokens, skip_special_tokens=False)
 
-    size = body_size(request)
+    size = head.body_size
     if size > OFFLOAD_BYTES:
         text = await offload(size, detokenized)
     else:
