@@ -32,9 +32,10 @@ from rankgate.app.routes import chat, completions, models, ops, responses, token
 from rankgate.app.schemas.openapi import install_openapi
 from rankgate.app.serving.clients import ClientWatch
 from rankgate.app.serving.demo import demo_engines
-from rankgate.app.serving.fastpath import FastPath, FastPathApp
+from rankgate.app.serving.fastpath import FastPath
 from rankgate.app.serving.gc_tuning import tune_after_startup
 from rankgate.app.serving.shutdown import Shutdown
+from rankgate.app.state import GatewayApp, GatewayState
 from rankgate.app.tokens.tokenizer import TokenizerNotFound, locate_tokenizer
 from rankgate.multimodal import MediaPreparer
 from rankgate.sidecar import (
@@ -60,7 +61,7 @@ def create_app(
     shared_load: SharedLoadBoard | None = None,
     prefill_load: SharedLoadBoard | None = None,
     tracing: Tracing | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here.
 
     ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1), and
@@ -99,13 +100,13 @@ def create_app(
                     preparer = MediaPreparer(settings.media)
                     stack.push_async_callback(preparer.aclose)
                     hook = preparer
-                app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+                state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
                 if engine is None:
                     # Queued requests get 503; pre-empted engine streams end with an error
                     # event, not a cut.
                     shutdown.on_expiry(serving.close)
-                app.state.metrics.watch_engine(_engine_probe(serving))
-                app.state.metrics.answer_flushes(asyncio.get_running_loop())
+                state.metrics.watch_engine(_engine_probe(serving))
+                state.metrics.answer_flushes(asyncio.get_running_loop())
                 tune_after_startup()
             except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
                 log.error("startup failed: %s", getattr(exc, "message", None) or exc)
@@ -113,14 +114,16 @@ def create_app(
             try:
                 yield
             finally:
-                app.state.metrics.watch_engine(None)
-                app.state.metrics.flush()
-                app.state.gateway = None
+                state.metrics.watch_engine(None)
+                state.metrics.flush()
+                state.gateway = None
                 if tracing is not None:
                     # Flushes the spans still queued for export.
                     await asyncio.to_thread(tracing.shutdown)
 
-    app = FastPathApp(
+    state = _state(settings, registry, shutdown, tracing, demo=engine is None and settings.demo)
+    app = GatewayApp(
+        state,
         title="Rankgate",
         version=__version__,
         description="OpenAI-compatible gateway in front of vLLM with KV-cache-aware DP routing.",
@@ -128,23 +131,7 @@ def create_app(
         docs_url="/docs",
         redoc_url=None,
     )
-    app.state.gateway = None
-    app.state.registry = registry
-    app.state.metrics = GatewayMetrics(registry)
-    app.state.metrics.expose_process()
-    app.state.observer = RequestObserver(
-        app.state.metrics, AccessLog() if settings.access_log else None
-    )
-    app.state.started_at = int(time.time())
-    # The bundled mock engine, not a vLLM: /v1/models says so.
-    app.state.demo = engine is None and settings.demo
-    app.state.limits = settings.limits
-    header = (settings.affinity_header or "").strip().lower()
-    app.state.affinity_header = header.encode("latin-1") if header else None
-    app.state.tracing = tracing
-    app.state.responses = ResponseStore(settings.responses_store, workers=settings.workers)
-    registry.register(AdmissionCollector(lambda: _admission_of(app)))
-    app.state.shutdown = shutdown
+    registry.register(AdmissionCollector(lambda: _admission_of(state)))
     install_error_handlers(app)
     hot = {
         "/v1/chat/completions": chat.create_chat_completion,
@@ -159,6 +146,32 @@ def create_app(
         app.include_router(module.router)
     install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
     return app
+
+
+def _state(
+    settings: GatewaySettings,
+    registry: CollectorRegistry,
+    shutdown: Shutdown,
+    tracing: Tracing | None,
+    *,
+    demo: bool,
+) -> GatewayState:
+    metrics = GatewayMetrics(registry)
+    metrics.expose_process()
+    header = (settings.affinity_header or "").strip().lower()
+    return GatewayState(
+        registry=registry,
+        metrics=metrics,
+        observer=RequestObserver(metrics, AccessLog() if settings.access_log else None),
+        limits=settings.limits,
+        responses=ResponseStore(settings.responses_store, workers=settings.workers),
+        shutdown=shutdown,
+        started_at=int(time.time()),
+        # The bundled mock engine, not a vLLM: /v1/models says so.
+        demo=demo,
+        affinity_header=header.encode("latin-1") if header else None,
+        tracing=tracing,
+    )
 
 
 def _tracing(endpoint: str) -> Tracing:
@@ -216,9 +229,9 @@ def _sidecar(settings: GatewaySettings, endpoint: str, router: Router) -> Sideca
     return Sidecar(config, router, Admission(settings.admission, settings.workers))
 
 
-def _admission_of(app: FastAPI) -> Admission | None:
+def _admission_of(state: GatewayState) -> Admission | None:
     """The serving engine's admission, when it has one (an injected test engine may not)."""
-    gateway: Gateway | None = app.state.gateway
+    gateway = state.gateway
     return gateway.engine.admission if gateway is not None else None
 
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from rankgate.app.edge.auth import tenant_of
 from rankgate.app.edge.headers import request_header
+from rankgate.app.state import state_of
 
 # Longer keys are hashed: the router's table holds many, and a key is an identity, not text.
 _MAX_KEY = 128
@@ -23,7 +24,7 @@ def affinity_key(
     request: Request, prompt_cache_key: str | None, chain: str | None = None
 ) -> str | None:
     """The request's affinity key, or None when it names no conversation."""
-    header: bytes | None = request.app.state.affinity_header
+    header = state_of(request).affinity_header
     name = request_header(request, header) if header else None
     key = name or prompt_cache_key or chain
     if not key:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from rankgate.app.edge.affinity import affinity_key
 from rankgate.app.gateway import Gateway
-from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.observability.record import RequestRecord, Tracked
 from rankgate.app.parsers import OutputPlan
 from rankgate.app.respond.context import NO_PARSING, ResponseContext
 from rankgate.app.respond.document import JsonDocument
@@ -25,6 +25,7 @@ from rankgate.app.routes.common import body_size, pinned_rank, whole_body
 from rankgate.app.routes.observed import engine_request_id
 from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.requests import SamplingFields
+from rankgate.app.state import state_of
 from rankgate.sidecar import Delta, RequestTrace
 
 Req = TypeVar("Req", bound=SamplingFields, contravariant=True)
@@ -141,7 +142,7 @@ async def answer(
         except BaseException:
             await close_stream(deltas)
             raise
-    observer = observer_of(request)
+    observer = state_of(request).observer
 
     def done(status: int) -> None:
         observer.finish(record, status)

@@ -17,8 +17,9 @@ from starlette.responses import Response
 from rankgate.app.edge.headers import request_header
 from rankgate.app.edge.request_id import HEADER, from_header, is_safe
 from rankgate.app.errors import as_api_error
-from rankgate.app.observability.record import RequestRecord, observer_of
+from rankgate.app.observability.record import RequestRecord
 from rankgate.app.respond.sse import EventStreamResponse
+from rankgate.app.state import state_of
 
 Serve = Callable[[Request, RequestRecord], Awaitable[Response]]
 CLIENT_GONE = 499
@@ -26,11 +27,12 @@ _HEADER = HEADER.encode()
 
 
 async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
-    observer = observer_of(request)
+    state = state_of(request)
+    observer = state.observer
     header = request_header(request, _HEADER)
     request_id, problem = from_header(header)
     record = observer.begin(endpoint, request_id, header is not None and problem is None)
-    tracing = request.app.state.tracing
+    tracing = state.tracing
     if tracing is not None:
         record.trace = tracing.begin(
             request.method, request.url.path, request.headers, record.request_id

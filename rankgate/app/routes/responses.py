@@ -15,9 +15,8 @@ from starlette.responses import Response
 
 from rankgate.app.edge.affinity import affinity_key
 from rankgate.app.edge.auth import tenant_of
-from rankgate.app.edge.limits import InputLimits
 from rankgate.app.errors import ApiError
-from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.observability.record import RequestRecord, Tracked
 from rankgate.app.prepare.responses import chat_request, renamed
 from rankgate.app.respond.document import JsonDocument
 from rankgate.app.respond.primed import prime
@@ -44,14 +43,14 @@ from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.openapi import json_response, operation
 from rankgate.app.schemas.requests import Message
 from rankgate.app.schemas.responses_api import RESPONSES_DECODER, ResponseDeleted, ResponseObject
+from rankgate.app.state import state_of
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()
 
 
 def store_of(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses
-    return store
+    return state_of(request).responses
 
 
 @router.post(
@@ -81,7 +80,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         history = store.conversation(req.previous_response_id, tenant)
         chain = store.chain(req.previous_response_id, tenant) or req.previous_response_id
     affinity = affinity_key(request, req.prompt_cache_key, chain)
-    limits: InputLimits = request.app.state.limits
+    limits = state_of(request).limits
     turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
     trace = record.trace
@@ -121,7 +120,7 @@ async def _serve(request: Request, record: RequestRecord) -> Response:
         return JsonDocument(body, raw_route_headers(first))
     deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
     await observe_first(gateway.chat, prepared, deltas)
-    observer = observer_of(request)
+    observer = state_of(request).observer
 
     def done(status: int) -> None:
         observer.finish(record, status)

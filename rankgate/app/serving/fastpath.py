@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.datastructures import State
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,31 +26,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 # Responses whose body is whole when the handler returns: written in one write when the
 # client watch can (``rankgate.app.serving.clients.WHOLE_ANSWER``), else sent as two ASGI messages.
 _WHOLE = frozenset({Response, JsonDocument})
-
-
-class AppState(State):
-    """Starlette's ``State`` with each value also an ordinary attribute. A hot path's
-    ``app.state.name`` is then a plain lookup, not a failed one (an ``AttributeError`` with
-    its message formatted, then dropped) followed by ``__getattr__``."""
-
-    def __init__(self, state: dict[str, Any] | None = None) -> None:
-        super().__init__(state)
-        for key, value in self._state.items():
-            object.__setattr__(self, key, value)
-
-    def __setattr__(self, key: Any, value: Any) -> None:
-        super().__setattr__(key, value)
-        object.__setattr__(self, key, value)
-
-    def __delattr__(self, key: Any) -> None:
-        super().__delattr__(key)
-        object.__delattr__(self, key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self.__setattr__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self.__delattr__(key)
 
 
 class FastPathApp(FastAPI):
@@ -69,10 +43,6 @@ class FastPathApp(FastAPI):
 
     hot_paths: frozenset[str] = frozenset()
     _hot_entry: ASGIApp | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.state = AppState(self.state._state)
 
     def serve_directly(self, paths: Iterable[str]) -> None:
         self.hot_paths = frozenset(paths)
