@@ -32,7 +32,6 @@ from rankgate.app.routes import chat, completions, models, ops, responses, token
 from rankgate.app.schemas.openapi import install_openapi
 from rankgate.app.serving.clients import ClientWatch
 from rankgate.app.serving.demo import demo_engines
-from rankgate.app.serving.fastpath import FastPath
 from rankgate.app.serving.gc_tuning import tune_after_startup
 from rankgate.app.serving.shutdown import Shutdown
 from rankgate.app.state import GatewayApp, GatewayState
@@ -51,6 +50,10 @@ if TYPE_CHECKING:
     from rankgate.sidecar import DisaggregatedEngine, Router, Sidecar
 
 log = logging.getLogger(__name__)
+
+
+# The POST routes served past FastAPI's routing (rankgate.app.serving.fastpath).
+HOT_ROUTES = (chat.ROUTE, completions.ROUTE, responses.ROUTE)
 
 
 def create_app(
@@ -133,17 +136,11 @@ def create_app(
     )
     registry.register(AdmissionCollector(lambda: _admission_of(state)))
     install_error_handlers(app)
-    hot = {
-        "/v1/chat/completions": chat.create_chat_completion,
-        "/v1/completions": completions.create_completion,
-        "/v1/responses": responses.create_response,
-    }
-    app.add_middleware(FastPath, routes=hot)
-    app.serve_directly(hot)
+    hot = app.serve_directly(HOT_ROUTES)
+    for module in (responses, tokenize, models, ops):
+        app.include_router(module.router)
     app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
     install_access(app, settings.access)
-    for module in (chat, completions, responses, tokenize, models, ops):
-        app.include_router(module.router)
     install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
     return app
 

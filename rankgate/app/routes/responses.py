@@ -43,6 +43,7 @@ from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.openapi import json_response, operation
 from rankgate.app.schemas.requests import Message
 from rankgate.app.schemas.responses_api import RESPONSES_DECODER, ResponseDeleted, ResponseObject
+from rankgate.app.serving.fastpath import HotRoute
 from rankgate.app.state import state_of
 
 router = APIRouter()
@@ -53,14 +54,16 @@ def store_of(request: Request) -> ResponseStore:
     return state_of(request).responses
 
 
-@router.post(
-    "/v1/responses",
-    response_class=Response,
-    summary="Create a model response",
-    **operation("ResponsesRequest", "ResponseObject", "ResponseStreamEvent"),
-)
 async def create_response(request: Request) -> Response:
     return await observed(request, "responses", _serve)
+
+
+ROUTE = HotRoute(
+    "/v1/responses",
+    create_response,
+    summary="Create a model response",
+    openapi=operation("ResponsesRequest", "ResponseObject", "ResponseStreamEvent"),
+)
 
 
 async def _serve(request: Request, record: RequestRecord) -> Response:

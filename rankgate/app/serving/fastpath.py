@@ -1,18 +1,23 @@
-"""Direct dispatch of the two hot endpoints, ahead of routing and dependency resolution.
+"""Direct dispatch of the hot POST endpoints, ahead of routing and dependency resolution.
 
 The OpenAI POST routes take only the raw ``Request`` and do their own decoding, so FastAPI's
 path matching and dependency solving add per-request CPU and nothing else. This middleware
-sends those two paths straight to their handlers and maps any error the one way
-``rankgate.app.errors`` defines; the routes stay registered on the app for /openapi.json and for any
-request this middleware does not take.
+sends those paths straight to their handlers and maps any error the one way
+``rankgate.app.errors`` defines. Each is one :class:`HotRoute`, from which both this
+middleware's table and the route's FastAPI registration (for /openapi.json and for any request
+this middleware does not take) come; :func:`check_bare` holds the registration to asking
+FastAPI for nothing but the request, so a dependency cannot run in one way in and not the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,6 +31,19 @@ Handler = Callable[[Request], Awaitable[Response]]
 # Responses whose body is whole when the handler returns: written in one write when the
 # client watch can (``rankgate.app.serving.clients.WHOLE_ANSWER``), else sent as two ASGI messages.
 _WHOLE = frozenset({Response, JsonDocument})
+
+
+@dataclass(frozen=True, slots=True)
+class HotRoute:
+    """A POST route served by :class:`FastPath`, declared once: the FastAPI registration
+    (for /openapi.json and the requests the fast path does not take) and the fast path's
+    table both come from it. ``openapi``: the operation's ``openapi_extra`` and
+    ``responses``, since FastAPI cannot infer a body the handler decodes itself."""
+
+    path: str
+    handler: Handler
+    summary: str
+    openapi: Mapping[str, Any]
 
 
 class FastPathApp(FastAPI):
@@ -44,8 +62,29 @@ class FastPathApp(FastAPI):
     hot_paths: frozenset[str] = frozenset()
     _hot_entry: ASGIApp | None = None
 
-    def serve_directly(self, paths: Iterable[str]) -> None:
-        self.hot_paths = frozenset(paths)
+    def serve_directly(self, routes: Iterable[HotRoute]) -> dict[str, Handler]:
+        """Register each route with FastAPI, on the app itself, and serve it through
+        :class:`FastPath`, added here as the innermost user middleware so that all added later
+        still run first. Returns the fast path's table (path: handler).
+
+        Raises :class:`NotBare` for a route FastAPI would run with more than the request: a
+        dependency of the app's (or the handler's), or a parameter it would parse.
+        """
+        table: dict[str, Handler] = {}
+        for route in routes:
+            self.add_api_route(
+                route.path,
+                route.handler,
+                methods=["POST"],
+                response_class=Response,
+                summary=route.summary,
+                **route.openapi,
+            )
+            check_bare(self, route.path, route.handler)
+            table[route.path] = route.handler
+        self.hot_paths = frozenset(table)
+        self.add_middleware(FastPath, routes=table)
+        return table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in self.hot_paths:
@@ -75,6 +114,47 @@ class FastPathApp(FastAPI):
             return super().build_middleware_stack()
         finally:
             self.user_middleware = user
+
+
+class NotBare(TypeError):
+    """A fast-path route that FastAPI would run differently from the fast path."""
+
+
+def check_bare(app: FastAPI, path: str, handler: Handler) -> None:
+    """Raise :class:`NotBare` unless FastAPI's POST route for ``path`` calls ``handler`` with
+    the request alone: no dependency (the handler's or the app's), no parameter
+    FastAPI would parse, no ``Response`` or ``BackgroundTasks`` it would inject."""
+    found = [
+        route
+        for route in app.router.routes
+        if isinstance(route, APIRoute) and route.path == path and "POST" in (route.methods or ())
+    ]
+    if [route.endpoint for route in found] != [handler]:
+        raise NotBare(
+            f"POST {path} must be registered with FastAPI once, for its fast-path handler"
+        )
+    needs = _needs(found[0].dependant)
+    if needs:
+        raise NotBare(f"POST {path} is served by the fast path, which would skip its {needs}")
+
+
+def _needs(dependant: Dependant) -> list[str]:
+    asked = {
+        "dependencies": dependant.dependencies,
+        "path parameters": dependant.path_params,
+        "query parameters": dependant.query_params,
+        "header parameters": dependant.header_params,
+        "cookie parameters": dependant.cookie_params,
+        "body parameters": dependant.body_params,
+        "injected response": dependant.response_param_name,
+        "background tasks": dependant.background_tasks_param_name,
+        "security scopes": dependant.security_scopes_param_name,
+        "connection": dependant.http_connection_param_name,
+    }
+    needs = [name for name, value in asked.items() if value]
+    if dependant.request_param_name is None:
+        needs.append("missing request parameter")
+    return needs
 
 
 class FastPath:
