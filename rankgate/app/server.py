@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -76,55 +77,8 @@ def create_app(
     registry = CollectorRegistry()
     # Under disaggregated serving every routing series says which side's rank it is about.
     routing_metrics(registry, sided=settings.split_serving)
-    shutdown = Shutdown(settings.shutdown_grace)
-    options = ServingOptions(
-        tokenizer=settings.tokenizer,
-        chat_template=settings.chat_template,
-        tool_call_parser=settings.tool_call_parser,
-        reasoning_parser=settings.reasoning_parser,
-        image_token_id=settings.routing.image_token_id,
-        limits=settings.limits,
-    )
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with AsyncExitStack() as stack:
-            try:
-                if settings.tokenizer is not None:
-                    # Fail before starting anything when the operator's path is wrong.
-                    locate_tokenizer(settings.tokenizer, "")
-                serving = engine
-                if serving is None:
-                    serving = await _start_sidecar(
-                        settings, registry, options, stack, shared_load, prefill_load
-                    )
-                hook = media
-                if hook is None:
-                    preparer = MediaPreparer(settings.media)
-                    stack.push_async_callback(preparer.aclose)
-                    hook = preparer
-                state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
-                if engine is None:
-                    # Queued requests get 503; pre-empted engine streams end with an error
-                    # event, not a cut.
-                    shutdown.on_expiry(serving.close)
-                state.metrics.watch_engine(_engine_probe(serving))
-                state.metrics.answer_flushes(asyncio.get_running_loop())
-                tune_after_startup()
-            except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
-                log.error("startup failed: %s", getattr(exc, "message", None) or exc)
-                raise
-            try:
-                yield
-            finally:
-                state.metrics.watch_engine(None)
-                state.metrics.flush()
-                state.gateway = None
-                if tracing is not None:
-                    # Flushes the spans still queued for export.
-                    await asyncio.to_thread(tracing.shutdown)
-
-    state = _state(settings, registry, shutdown, tracing, demo=engine is None and settings.demo)
+    state = _state(settings, registry, tracing, demo=engine is None and settings.demo)
+    lifespan = _Lifespan(settings, state, engine, media, shared_load, prefill_load)
     app = GatewayApp(
         state,
         title="Rankgate",
@@ -136,19 +90,93 @@ def create_app(
     )
     registry.register(AdmissionCollector(lambda: _admission_of(state)))
     install_error_handlers(app)
+    _install_routes(app, settings)
+    return app
+
+
+def _install_routes(app: GatewayApp, settings: GatewaySettings) -> None:
+    """The routes, then the middleware in front of them: client liveness outside the fast
+    path, so that it watches the hot routes too, and API keys and CORS outside both."""
     hot = app.serve_directly(HOT_ROUTES)
     for module in (responses, tokenize, models, ops):
         app.include_router(module.router)
     app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
     install_access(app, settings.access)
     install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
-    return app
+
+
+@dataclass(frozen=True, slots=True)
+class _Lifespan:
+    """The app's lifespan: nothing is served until the engine is discovered and its tokenizer
+    loaded, a failure to do either is logged and stops the process, and shutdown flushes the
+    metrics and spans still held."""
+
+    settings: GatewaySettings
+    state: GatewayState
+    engine: Engine | None
+    media: MediaHook | None
+    shared_load: SharedLoadBoard | None
+    prefill_load: SharedLoadBoard | None
+
+    @asynccontextmanager
+    async def __call__(self, app: FastAPI) -> AsyncIterator[None]:
+        state = self.state
+        async with AsyncExitStack() as stack:
+            try:
+                await self._start(stack)
+            except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
+                log.error("startup failed: %s", getattr(exc, "message", None) or exc)
+                raise
+            try:
+                yield
+            finally:
+                state.metrics.watch_engine(None)
+                state.metrics.flush()
+                state.gateway = None
+                if state.tracing is not None:
+                    # Flushes the spans still queued for export.
+                    await asyncio.to_thread(state.tracing.shutdown)
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        settings, state = self.settings, self.state
+        if settings.tokenizer is not None:
+            # Fail before starting anything when the operator's path is wrong.
+            locate_tokenizer(settings.tokenizer, "")
+        options = _options(settings)
+        serving = self.engine
+        if serving is None:
+            serving = await _start_sidecar(
+                settings, state.registry, options, stack, self.shared_load, self.prefill_load
+            )
+        hook = self.media
+        if hook is None:
+            preparer = MediaPreparer(settings.media)
+            stack.push_async_callback(preparer.aclose)
+            hook = preparer
+        state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+        if self.engine is None:
+            # Queued requests get 503; pre-empted engine streams end with an error event, not
+            # a cut.
+            state.shutdown.on_expiry(serving.close)
+        state.metrics.watch_engine(_engine_probe(serving))
+        state.metrics.answer_flushes(asyncio.get_running_loop())
+        tune_after_startup()
+
+
+def _options(settings: GatewaySettings) -> ServingOptions:
+    return ServingOptions(
+        tokenizer=settings.tokenizer,
+        chat_template=settings.chat_template,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+        image_token_id=settings.routing.image_token_id,
+        limits=settings.limits,
+    )
 
 
 def _state(
     settings: GatewaySettings,
     registry: CollectorRegistry,
-    shutdown: Shutdown,
     tracing: Tracing | None,
     *,
     demo: bool,
@@ -162,7 +190,7 @@ def _state(
         observer=RequestObserver(metrics, AccessLog() if settings.access_log else None),
         limits=settings.limits,
         responses=ResponseStore(settings.responses_store, workers=settings.workers),
-        shutdown=shutdown,
+        shutdown=Shutdown(settings.shutdown_grace),
         started_at=int(time.time()),
         # The bundled mock engine, not a vLLM: /v1/models says so.
         demo=demo,
