@@ -1,8 +1,10 @@
 """Every failure a client can see, and its OpenAI error JSON, in one place.
 
-Routes raise :class:`ApiError` (or let a sidecar error through); the handlers installed by
-:func:`install_error_handlers` turn both into ``{"error": {...}}`` with the right status, and a
-``Retry-After`` header for 429/503 so well-behaved clients back off instead of hammering.
+Routes raise :class:`ApiError` (or let a sidecar, media or decoding error through); one table,
+keyed by exception type, turns each into ``{"error": {...}}`` with the right status, and a
+``Retry-After`` header for 429/503 so well-behaved clients back off instead of hammering. A type
+resolves along its MRO to its nearest listed base, so a new subclass answers as its parent does
+until it gets a row of its own, whatever the order of the rows.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import orjson
@@ -18,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from rankgate.multimodal import MediaError, MediaOverBudget
 from rankgate.sidecar import (
     BadEngineResponse,
     DiscoveryError,
@@ -157,49 +162,115 @@ def from_decode_error(exc: msgspec.MsgspecError) -> ApiError:
     return invalid(f"Invalid value for {where}: {text}.", param=param)
 
 
-def from_sidecar(exc: SidecarError) -> ApiError:
-    if isinstance(exc, InvalidRequest):
-        return ApiError(400, exc.message, code="invalid_request")
-    if isinstance(exc, NotFound):
-        return ApiError(404, exc.message, type=NOT_FOUND, param="model", code="model_not_found")
-    if isinstance(exc, FailedPrecondition):
-        return ApiError(400, exc.message, code="unsupported")
-    if isinstance(exc, EngineOverloaded):
-        code = "gateway_overloaded" if isinstance(exc, GatewayOverloaded) else "engine_overloaded"
-        return ApiError(429, exc.message, type=RATE_LIMIT, code=code, retry_after=exc.retry_after)
-    if isinstance(exc, EngineUnavailable):
+class _Worded(Protocol):
+    message: str
+
+
+class _Backoff(_Worded, Protocol):
+    retry_after: float
+
+
+_Answer = Callable[[Any], ApiError]
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _says(
+    status: int, type: str, code: str, *, param: str | None = None, retry_after: float | None = None
+) -> Callable[[_Worded], ApiError]:
+    def answer(exc: _Worded) -> ApiError:
         return ApiError(
-            503,
-            exc.message,
-            type=UNAVAILABLE,
-            code="engine_unavailable",
-            retry_after=exc.retry_after,
+            status, exc.message, type=type, param=param, code=code, retry_after=retry_after
         )
-    if isinstance(exc, DiscoveryError):
-        return ApiError(
-            503, exc.message, type=UNAVAILABLE, code="engine_unavailable", retry_after=5
-        )
-    if isinstance(exc, EngineFailure):
-        return ApiError(500, exc.message, type=SERVER_ERROR, code="engine_failure")
-    if isinstance(exc, BadEngineResponse):
-        return ApiError(502, exc.message, type=SERVER_ERROR, code="bad_engine_response")
-    return ApiError(500, exc.message, type=SERVER_ERROR, code="internal_error")
+
+    return answer
+
+
+def _backs_off(status: int, type: str, code: str) -> Callable[[_Backoff], ApiError]:
+    """A transient refusal: the error's own ``retry_after`` becomes the ``Retry-After`` header."""
+
+    def answer(exc: _Backoff) -> ApiError:
+        return ApiError(status, exc.message, type=type, code=code, retry_after=exc.retry_after)
+
+    return answer
+
+
+def _itself(exc: ApiError) -> ApiError:
+    return exc
+
+
+def _media(exc: MediaError) -> ApiError:
+    noun = exc.label.partition(" ")[0]
+    return ApiError(exc.status, exc.message, param="messages", code=f"invalid_{noun}")
+
+
+def _media_over_budget(exc: MediaOverBudget) -> ApiError:
+    return ApiError(400, exc.message, param="messages", code="context_length_exceeded")
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _framework_http(exc: StarletteHTTPException) -> ApiError:
+    kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+    return ApiError(
+        exc.status_code, str(exc.detail), type=kind, code=_HTTP_CODES.get(exc.status_code)
+    )
+
+
+def _framework_validation(exc: RequestValidationError) -> ApiError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return invalid(f"Invalid value for '{loc}': {first.get('msg', 'invalid')}", loc)
+
+
+def _row(kind: type[_E], answer: Callable[[_E], ApiError]) -> tuple[type[BaseException], _Answer]:
+    """One entry of :data:`_ANSWERS`, its answer checked against the type it answers."""
+    return kind, answer
+
+
+# Each exception type a request can end with, and its answer.
+_ANSWERS: dict[type[BaseException], _Answer] = dict(
+    [
+        _row(ApiError, _itself),
+        _row(msgspec.MsgspecError, from_decode_error),
+        _row(SidecarError, _says(500, SERVER_ERROR, "internal_error")),
+        _row(InvalidRequest, _says(400, INVALID_REQUEST, "invalid_request")),
+        _row(NotFound, _says(404, NOT_FOUND, "model_not_found", param="model")),
+        _row(FailedPrecondition, _says(400, INVALID_REQUEST, "unsupported")),
+        _row(EngineOverloaded, _backs_off(429, RATE_LIMIT, "engine_overloaded")),
+        _row(GatewayOverloaded, _backs_off(429, RATE_LIMIT, "gateway_overloaded")),
+        _row(EngineUnavailable, _backs_off(503, UNAVAILABLE, "engine_unavailable")),
+        _row(DiscoveryError, _says(503, UNAVAILABLE, "engine_unavailable", retry_after=5)),
+        _row(EngineFailure, _says(500, SERVER_ERROR, "engine_failure")),
+        _row(BadEngineResponse, _says(502, SERVER_ERROR, "bad_engine_response")),
+        _row(MediaError, _media),
+        _row(MediaOverBudget, _media_over_budget),
+        _row(StarletteHTTPException, _framework_http),
+        _row(RequestValidationError, _framework_validation),
+    ]
+)
+ANSWERED: frozenset[type[BaseException]] = frozenset(_ANSWERS)
+
+
+def _answer_for(kind: type[BaseException]) -> _Answer | None:
+    for base in kind.__mro__:
+        answer = _ANSWERS.get(base)
+        if answer is not None:
+            return answer
+    return None
 
 
 def as_api_error(exc: BaseException) -> ApiError:
     """Any exception as the error the client sees, the last use of ``exc`` and of the errors
     it came from; unexpected ones are logged with traceback."""
-    if isinstance(exc, ApiError):
-        answer = exc
-    elif isinstance(exc, SidecarError):
-        answer = from_sidecar(exc)
-    elif isinstance(exc, msgspec.MsgspecError):
-        answer = from_decode_error(exc)
-    else:
+    answer = _answer_for(type(exc))
+    if answer is None:
         log.error("unexpected error while serving a request", exc_info=exc)
-        answer = ApiError(500, "Internal server error", type=SERVER_ERROR, code="internal_error")
+        error = ApiError(500, "Internal server error", type=SERVER_ERROR, code="internal_error")
+    else:
+        error = answer(exc)
     _drop_tracebacks(exc)
-    return answer
+    return error
 
 
 def _drop_tracebacks(exc: BaseException) -> None:
@@ -220,41 +291,9 @@ def _drop_tracebacks(exc: BaseException) -> None:
             pending.append(error.__context__)
 
 
-def status_of(exc: BaseException) -> int:
-    """The HTTP status ``exc`` will be answered with (for metrics), without logging it."""
-    if isinstance(exc, ApiError):
-        return exc.status
-    if isinstance(exc, SidecarError):
-        return from_sidecar(exc).status
-    if isinstance(exc, msgspec.MsgspecError):
-        return 400
-    return 500
-
-
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: Exception) -> Response:
+    async def on_error(_: Request, exc: Exception) -> Response:
         return as_api_error(exc).response()
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-        error = ApiError(
-            exc.status_code, str(exc.detail), type=kind, code=_HTTP_CODES.get(exc.status_code)
-        )
-        return error.response()
-
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return invalid(f"Invalid value for '{loc}': {first.get('msg', 'invalid')}", loc).response()
-
-    app.add_exception_handler(ApiError, on_api_error)
-    app.add_exception_handler(SidecarError, on_api_error)
-    app.add_exception_handler(msgspec.MsgspecError, on_api_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(Exception, on_api_error)
+    for kind in (*_ANSWERS, Exception):
+        app.add_exception_handler(kind, on_error)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -32,9 +33,9 @@ from rankgate.app.routes import chat, completions, models, ops, responses, token
 from rankgate.app.schemas.openapi import install_openapi
 from rankgate.app.serving.clients import ClientWatch
 from rankgate.app.serving.demo import demo_engines
-from rankgate.app.serving.fastpath import FastPath, FastPathApp
 from rankgate.app.serving.gc_tuning import tune_after_startup
 from rankgate.app.serving.shutdown import Shutdown
+from rankgate.app.state import GatewayApp, GatewayState
 from rankgate.app.tokens.tokenizer import TokenizerNotFound, locate_tokenizer
 from rankgate.multimodal import MediaPreparer
 from rankgate.sidecar import (
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# The POST routes served past FastAPI's routing (rankgate.app.serving.fastpath).
+HOT_ROUTES = (chat.ROUTE, completions.ROUTE, responses.ROUTE)
+
+
 def create_app(
     settings: GatewaySettings,
     *,
@@ -60,7 +65,7 @@ def create_app(
     shared_load: SharedLoadBoard | None = None,
     prefill_load: SharedLoadBoard | None = None,
     tracing: Tracing | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     """Build the app; ``engine`` replaces the sidecar (tests), which is then not started here.
 
     ``shared_load`` is this worker's row of the per-rank load board (``--workers`` > 1), and
@@ -72,8 +77,94 @@ def create_app(
     registry = CollectorRegistry()
     # Under disaggregated serving every routing series says which side's rank it is about.
     routing_metrics(registry, sided=settings.split_serving)
-    shutdown = Shutdown(settings.shutdown_grace)
-    options = ServingOptions(
+    state = _state(settings, registry, tracing, demo=engine is None and settings.demo)
+    lifespan = _Lifespan(settings, state, engine, media, shared_load, prefill_load)
+    app = GatewayApp(
+        state,
+        title="Rankgate",
+        version=__version__,
+        description="OpenAI-compatible gateway in front of vLLM with KV-cache-aware DP routing.",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    registry.register(AdmissionCollector(lambda: _admission_of(state)))
+    install_error_handlers(app)
+    _install_routes(app, settings)
+    return app
+
+
+def _install_routes(app: GatewayApp, settings: GatewaySettings) -> None:
+    """The routes, then the middleware in front of them: client liveness outside the fast
+    path, so that it watches the hot routes too, and API keys and CORS outside both."""
+    hot = app.serve_directly(HOT_ROUTES)
+    for module in (responses, tokenize, models, ops):
+        app.include_router(module.router)
+    app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
+    install_access(app, settings.access)
+    install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
+
+
+@dataclass(frozen=True, slots=True)
+class _Lifespan:
+    """The app's lifespan: nothing is served until the engine is discovered and its tokenizer
+    loaded, a failure to do either is logged and stops the process, and shutdown flushes the
+    metrics and spans still held."""
+
+    settings: GatewaySettings
+    state: GatewayState
+    engine: Engine | None
+    media: MediaHook | None
+    shared_load: SharedLoadBoard | None
+    prefill_load: SharedLoadBoard | None
+
+    @asynccontextmanager
+    async def __call__(self, app: FastAPI) -> AsyncIterator[None]:
+        state = self.state
+        async with AsyncExitStack() as stack:
+            try:
+                await self._start(stack)
+            except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
+                log.error("startup failed: %s", getattr(exc, "message", None) or exc)
+                raise
+            try:
+                yield
+            finally:
+                state.metrics.watch_engine(None)
+                state.metrics.flush()
+                state.gateway = None
+                if state.tracing is not None:
+                    # Flushes the spans still queued for export.
+                    await asyncio.to_thread(state.tracing.shutdown)
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        settings, state = self.settings, self.state
+        if settings.tokenizer is not None:
+            # Fail before starting anything when the operator's path is wrong.
+            locate_tokenizer(settings.tokenizer, "")
+        options = _options(settings)
+        serving = self.engine
+        if serving is None:
+            serving = await _start_sidecar(
+                settings, state.registry, options, stack, self.shared_load, self.prefill_load
+            )
+        hook = self.media
+        if hook is None:
+            preparer = MediaPreparer(settings.media)
+            stack.push_async_callback(preparer.aclose)
+            hook = preparer
+        state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
+        if self.engine is None:
+            # Queued requests get 503; pre-empted engine streams end with an error event, not
+            # a cut.
+            state.shutdown.on_expiry(serving.close)
+        state.metrics.watch_engine(_engine_probe(serving))
+        state.metrics.answer_flushes(asyncio.get_running_loop())
+        tune_after_startup()
+
+
+def _options(settings: GatewaySettings) -> ServingOptions:
+    return ServingOptions(
         tokenizer=settings.tokenizer,
         chat_template=settings.chat_template,
         tool_call_parser=settings.tool_call_parser,
@@ -82,83 +173,30 @@ def create_app(
         limits=settings.limits,
     )
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with AsyncExitStack() as stack:
-            try:
-                if settings.tokenizer is not None:
-                    # Fail before starting anything when the operator's path is wrong.
-                    locate_tokenizer(settings.tokenizer, "")
-                serving = engine
-                if serving is None:
-                    serving = await _start_sidecar(
-                        settings, registry, options, stack, shared_load, prefill_load
-                    )
-                hook = media
-                if hook is None:
-                    preparer = MediaPreparer(settings.media)
-                    stack.push_async_callback(preparer.aclose)
-                    hook = preparer
-                app.state.gateway = await asyncio.to_thread(Gateway, serving, options, hook)
-                if engine is None:
-                    # Queued requests get 503; pre-empted engine streams end with an error
-                    # event, not a cut.
-                    shutdown.on_expiry(serving.close)
-                app.state.metrics.watch_engine(_engine_probe(serving))
-                app.state.metrics.answer_flushes(asyncio.get_running_loop())
-                tune_after_startup()
-            except (TokenizerNotFound, SidecarError, ValueError, OSError) as exc:
-                log.error("startup failed: %s", getattr(exc, "message", None) or exc)
-                raise
-            try:
-                yield
-            finally:
-                app.state.metrics.watch_engine(None)
-                app.state.metrics.flush()
-                app.state.gateway = None
-                if tracing is not None:
-                    # Flushes the spans still queued for export.
-                    await asyncio.to_thread(tracing.shutdown)
 
-    app = FastPathApp(
-        title="Rankgate",
-        version=__version__,
-        description="OpenAI-compatible gateway in front of vLLM with KV-cache-aware DP routing.",
-        lifespan=lifespan,
-        docs_url="/docs",
-        redoc_url=None,
-    )
-    app.state.gateway = None
-    app.state.registry = registry
-    app.state.metrics = GatewayMetrics(registry)
-    app.state.metrics.expose_process()
-    app.state.observer = RequestObserver(
-        app.state.metrics, AccessLog() if settings.access_log else None
-    )
-    app.state.started_at = int(time.time())
-    # The bundled mock engine, not a vLLM: /v1/models says so.
-    app.state.demo = engine is None and settings.demo
-    app.state.limits = settings.limits
+def _state(
+    settings: GatewaySettings,
+    registry: CollectorRegistry,
+    tracing: Tracing | None,
+    *,
+    demo: bool,
+) -> GatewayState:
+    metrics = GatewayMetrics(registry)
+    metrics.expose_process()
     header = (settings.affinity_header or "").strip().lower()
-    app.state.affinity_header = header.encode("latin-1") if header else None
-    app.state.tracing = tracing
-    app.state.responses = ResponseStore(settings.responses_store, workers=settings.workers)
-    registry.register(AdmissionCollector(lambda: _admission_of(app)))
-    app.state.shutdown = shutdown
-    install_error_handlers(app)
-    hot = {
-        "/v1/chat/completions": chat.create_chat_completion,
-        "/v1/completions": completions.create_completion,
-        "/v1/responses": responses.create_response,
-    }
-    app.add_middleware(FastPath, routes=hot)
-    app.serve_directly(hot)
-    app.add_middleware(ClientWatch, paths=hot, stall_timeout=settings.stream_stall_timeout)
-    install_access(app, settings.access)
-    for module in (chat, completions, responses, tokenize, models, ops):
-        app.include_router(module.router)
-    install_openapi(app, reject_unknown_fields=settings.limits.reject_unknown_fields)
-    return app
+    return GatewayState(
+        registry=registry,
+        metrics=metrics,
+        observer=RequestObserver(metrics, AccessLog() if settings.access_log else None),
+        limits=settings.limits,
+        responses=ResponseStore(settings.responses_store, workers=settings.workers),
+        shutdown=Shutdown(settings.shutdown_grace),
+        started_at=int(time.time()),
+        # The bundled mock engine, not a vLLM: /v1/models says so.
+        demo=demo,
+        affinity_header=header.encode("latin-1") if header else None,
+        tracing=tracing,
+    )
 
 
 def _tracing(endpoint: str) -> Tracing:
@@ -216,9 +254,9 @@ def _sidecar(settings: GatewaySettings, endpoint: str, router: Router) -> Sideca
     return Sidecar(config, router, Admission(settings.admission, settings.workers))
 
 
-def _admission_of(app: FastAPI) -> Admission | None:
+def _admission_of(state: GatewayState) -> Admission | None:
     """The serving engine's admission, when it has one (an injected test engine may not)."""
-    gateway: Gateway | None = app.state.gateway
+    gateway = state.gateway
     return gateway.engine.admission if gateway is not None else None
 
 

@@ -185,7 +185,7 @@ def test_the_engine_policy_admits_against_the_whole_group() -> None:
 def test_slots_return_to_zero_after_a_burst_with_hang_ups_and_retries() -> None:
     config = AdmissionConfig(per_rank=2, queue=64, timeout=20)
     with mock_engine(speed=1.0) as handle, gateway(handle, admission=config) as gw:
-        engine = gw.app.state.gateway.engine
+        engine = gw.sidecar()
         # A refusal retried: rank 1 busier, so rank 0 is chosen; it refuses, rank 1 has a slot.
         holder = hold(gw, "busy", rank=1)
         refuse_on_rank(handle, 0, 1)

@@ -1,12 +1,43 @@
-"""Every client mistake is a 4xx with OpenAI's error JSON naming the field; never a 500."""
+"""Every client mistake is a 4xx with OpenAI's error JSON naming the field; never a 500. Every
+exception type a request can end with answers as the table here lists."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
+import msgspec
+import orjson
 import pytest
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import rankgate.sidecar
+from rankgate.app.errors import (
+    ANSWERED,
+    ApiError,
+    as_api_error,
+    client_gone,
+    invalid,
+    model_not_found,
+    response_not_found,
+    unsupported,
+)
+from rankgate.multimodal import MediaError, MediaOverBudget
+from rankgate.sidecar import (
+    BadEngineResponse,
+    DiscoveryError,
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    FailedPrecondition,
+    GatewayOverloaded,
+    InvalidRequest,
+    NotFound,
+    SidecarError,
+)
+from rankgate.sidecar.errors import KvLeaseExpired
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
 
 USER = [{"role": "user", "content": "hi"}]
@@ -231,8 +262,6 @@ def test_unknown_route_and_method(scripted_http: httpx.Client) -> None:
 def test_an_answered_error_lets_go_of_the_frames_it_passed() -> None:
     """Mapping an error to its answer is its last use: its traceback, and those of the errors
     it was raised from or during, would hold the request's frames in a cycle."""
-    from rankgate.app.errors import as_api_error
-    from rankgate.sidecar.errors import EngineFailure, EngineOverloaded, EngineUnavailable
 
     def fail() -> None:
         try:
@@ -253,3 +282,163 @@ def test_an_answered_error_lets_go_of_the_frames_it_passed() -> None:
     assert all(each.__traceback__ is not None for each in chain)
     assert as_api_error(error).status == 429
     assert all(each.__traceback__ is None for each in chain)
+
+
+# Every mapped exception type, as a route would raise it, and the answer the client sees:
+# status, error ``type``, ``code``, ``param`` and ``Retry-After``.
+TABLE: list[tuple[BaseException, int, str, str | None, str | None, str | None]] = [
+    (ApiError(418, "teapot", type="x_error", param="p", code="c"), 418, "x_error", "c", "p", None),
+    (msgspec.MsgspecError("odd"), 400, "invalid_request_error", None, None, None),
+    (msgspec.DecodeError("bad"), 400, "invalid_request_error", "invalid_json", None, None),
+    (
+        msgspec.ValidationError("Expected `int`, got `str` - at `$.n`"),
+        400,
+        "invalid_request_error",
+        None,
+        "n",
+        None,
+    ),
+    (SidecarError("x"), 500, "server_error", "internal_error", None, None),
+    (InvalidRequest("x"), 400, "invalid_request_error", "invalid_request", None, None),
+    (NotFound("x"), 404, "not_found_error", "model_not_found", "model", None),
+    (FailedPrecondition("x"), 400, "invalid_request_error", "unsupported", None, None),
+    (EngineOverloaded("x", 2.5), 429, "rate_limit_error", "engine_overloaded", None, "3"),
+    (GatewayOverloaded("x", 0.2), 429, "rate_limit_error", "gateway_overloaded", None, "1"),
+    (EngineUnavailable("x", 7), 503, "service_unavailable_error", "engine_unavailable", None, "7"),
+    (DiscoveryError("x"), 503, "service_unavailable_error", "engine_unavailable", None, "5"),
+    (EngineFailure("x"), 500, "server_error", "engine_failure", None, None),
+    (BadEngineResponse("x"), 502, "server_error", "bad_engine_response", None, None),
+    (
+        MediaError(1, "too big", 413, "audio 0"),
+        413,
+        "invalid_request_error",
+        "invalid_audio",
+        "messages",
+        None,
+    ),
+    (MediaError(2, "broken"), 400, "invalid_request_error", "invalid_image", "messages", None),
+    (
+        MediaOverBudget(900, 100),
+        400,
+        "invalid_request_error",
+        "context_length_exceeded",
+        "messages",
+        None,
+    ),
+    (StarletteHTTPException(404), 404, "not_found_error", "not_found", None, None),
+    (StarletteHTTPException(405), 405, "invalid_request_error", "method_not_allowed", None, None),
+    (
+        RequestValidationError([{"loc": ("body", "x"), "msg": "bad"}]),
+        400,
+        "invalid_request_error",
+        None,
+        "x",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "code", "param", "retry_after"),
+    TABLE,
+    ids=[f"{type(row[0]).__name__}-{row[1]}-{row[3]}" for row in TABLE],
+)
+def test_each_mapped_type_answers_as_listed(
+    error: BaseException,
+    status: int,
+    kind: str,
+    code: str | None,
+    param: str | None,
+    retry_after: str | None,
+) -> None:
+    answer = as_api_error(error)
+    body = orjson.loads(answer.body())["error"]
+    assert (answer.status, body["type"], body["code"], body["param"]) == (status, kind, code, param)
+    assert body["message"]
+    assert answer.headers().get("Retry-After") == retry_after
+
+
+def test_the_table_lists_every_mapped_type() -> None:
+    assert set(ANSWERED) <= {type(row[0]) for row in TABLE}
+
+
+def _exported_errors() -> list[type[BaseException]]:
+    exported = (getattr(rankgate.sidecar, name) for name in rankgate.sidecar.__all__)
+    return [kind for kind in exported if isinstance(kind, type) and issubclass(kind, Exception)]
+
+
+def test_every_error_a_route_can_raise_has_its_own_row() -> None:
+    """A route raises the sidecar's errors, the media package's, and :class:`ApiError`; each
+    answers by a row of its own, not by a base's that happens to be near."""
+    sidecar = _exported_errors()
+    assert {SidecarError, GatewayOverloaded} <= set(sidecar)
+    raised = {*sidecar, MediaError, MediaOverBudget, ApiError}
+    assert raised - ANSWERED == set()
+
+
+class _Busy(InvalidRequest, EngineUnavailable):
+    pass
+
+
+class _Chosen(GatewayOverloaded):
+    pass
+
+
+def test_an_unlisted_type_answers_as_its_nearest_listed_base() -> None:
+    # KvLeaseExpired has no row: it is one way for the engine to be unavailable.
+    assert as_api_error(KvLeaseExpired("lease ended", 2)).status == 503
+    assert as_api_error(_Chosen("x")).code == "gateway_overloaded"
+    # Along the MRO, InvalidRequest comes before EngineUnavailable (and before SidecarError).
+    assert as_api_error(_Busy("x")).code == "invalid_request"
+
+
+def test_an_unmapped_error_is_a_logged_500(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, "rankgate.app.errors"):
+        answer = as_api_error(RuntimeError("boom"))
+    assert (answer.status, answer.code, answer.message) == (
+        500,
+        "internal_error",
+        "Internal server error",
+    )
+    assert [record.exc_info is not None for record in caplog.records] == [True]
+
+
+# The kinds of ApiError the routes build, and what each tells the client.
+KINDS: list[tuple[ApiError, int, str, str | None, str | None]] = [
+    (invalid("bad", "n"), 400, "invalid_request_error", None, "n"),
+    (invalid("bad", code="invalid_json"), 400, "invalid_request_error", "invalid_json", None),
+    (unsupported("suffix"), 400, "invalid_request_error", "unsupported_parameter", "suffix"),
+    (model_not_found("m"), 404, "invalid_request_error", "model_not_found", "model"),
+    (
+        response_not_found("r", "previous_response_id"),
+        404,
+        "invalid_request_error",
+        "previous_response_not_found",
+        "previous_response_id",
+    ),
+    (
+        response_not_found("r", "response_id"),
+        404,
+        "invalid_request_error",
+        "not_found",
+        "response_id",
+    ),
+    (
+        response_not_found("r", "response_id", workers=2),
+        404,
+        "invalid_request_error",
+        "response_on_other_worker",
+        "response_id",
+    ),
+    (client_gone("gone"), 499, "invalid_request_error", "client_disconnected", None),
+]
+
+
+@pytest.mark.parametrize(("error", "status", "kind", "code", "param"), KINDS)
+def test_each_api_error_kind_answers_as_built(
+    error: ApiError, status: int, kind: str, code: str | None, param: str | None
+) -> None:
+    answer = as_api_error(error)
+    assert answer is error
+    body = orjson.loads(answer.body())["error"]
+    assert (answer.status, body["type"], body["code"], body["param"]) == (status, kind, code, param)

@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 import orjson
-from fastapi import FastAPI
 
 from rankgate.app.config.settings import GatewaySettings
+from rankgate.app.gateway import Gateway as ServingGateway
 from rankgate.app.server import create_app
+from rankgate.app.state import GatewayApp
 from rankgate.mocker.config import MockEngineConfig
+from rankgate.sidecar import Sidecar
 from rankgate.sidecar.admission import Admission
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
@@ -62,21 +64,30 @@ def mock_engine(
 @dataclass
 class Gateway:
     url: str
-    app: FastAPI
+    app: GatewayApp
     http: httpx.Client
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    def serving(self) -> ServingGateway:
+        serving = self.app.gateway_state.gateway
+        assert serving is not None, "the gateway has not started"
+        return serving
+
+    def sidecar(self) -> Sidecar:
+        """The engine behind the gateway: always the sidecar here, never a test double."""
+        engine = self.serving().engine
+        assert isinstance(engine, Sidecar)
+        return engine
+
     def in_flight(self) -> dict[int, int]:
-        counts: dict[int, int] = self.app.state.gateway.engine.in_flight()
-        return counts
+        return self.sidecar().in_flight()
 
     @property
     def admission(self) -> Admission:
-        admission: Admission = self.app.state.gateway.engine.admission
-        return admission
+        return self.sidecar().admission
 
 
 @contextmanager

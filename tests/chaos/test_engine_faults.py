@@ -135,7 +135,7 @@ def test_rank_local_refusal_is_retried_on_another_rank_before_the_first_byte() -
         after = handle.all_stats()
         assert after[1].requests_received == before[1].requests_received
         assert after[0].requests_served - before[0].requests_served == 8
-        assert gw.app.state.gateway.engine.retries >= 4
+        assert gw.sidecar().retries >= 4
         pinned = gw.http.post(
             "/v1/chat/completions", json=chat(max_tokens=2), headers={"x-data-parallel-rank": "1"}
         )
@@ -149,11 +149,11 @@ def test_refusals_everywhere_are_retried_a_bounded_number_of_times_then_429() ->
     with mock_engine(speed=0.0, dp_size=4) as handle, gateway(handle, policy="load") as gw:
         for rank in range(4):
             refuse_on_rank(handle, rank)
-        retries = gw.app.state.gateway.engine.retries
+        retries = gw.sidecar().retries
         response = gw.http.post("/v1/chat/completions", json=chat(max_tokens=2))
         assert response.status_code == 429
         assert "retry-after" in response.headers
-        assert gw.app.state.gateway.engine.retries - retries == 2
+        assert gw.sidecar().retries - retries == 2
         for rank in range(4):
             refuse_on_rank(handle, rank, 0)
         assert_clean(handle, gw)
@@ -282,7 +282,7 @@ def test_a_reply_that_does_not_parse_is_502_and_is_not_retried_elsewhere() -> No
     ``bad_engine_response`` at once, no other rank is asked, and nothing keeps running."""
     with mock_engine(speed=0.0, dp_size=4) as handle, gateway(handle, policy="load") as gw:
         handle.faults.garble_replies()
-        retries = gw.app.state.gateway.engine.retries
+        retries = gw.sidecar().retries
         for streamed in (False, True):
             before = handle.all_stats()
             body = chat("parse me", max_tokens=6, stream=streamed)
@@ -292,6 +292,6 @@ def test_a_reply_that_does_not_parse_is_502_and_is_not_retried_elsewhere() -> No
             after = handle.all_stats()
             received = sum(after[r].requests_received - before[r].requests_received for r in after)
             assert received == 1
-        assert gw.app.state.gateway.engine.retries == retries
+        assert gw.sidecar().retries == retries
         handle.faults.garble_replies(0)
         assert_clean(handle, gw)

@@ -95,7 +95,7 @@ def test_priority_order_is_what_the_engine_sees() -> None:
             holder.close()
             assert all(f.result(20).status_code == 200 for f in futures)
         prompts = handle.recent_prompts(0)
-        tokenizer = gw.app.state.gateway.tokenizer
+        tokenizer = gw.serving().tokenizer
         seen = [
             name
             for _, ids in prompts

@@ -13,8 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
-
 from rankgate.app.observability.logs import AccessLog
 from rankgate.app.observability.metrics import GatewayMetrics, Observation
 from rankgate.app.respond.primed import close_stream
@@ -183,8 +181,3 @@ class RequestObserver:
         )
         if self.access_log is not None:
             self.access_log.request(record, status, total, queue, ttft)
-
-
-def observer_of(request: Request) -> RequestObserver:
-    observer: RequestObserver = request.app.state.observer
-    return observer

@@ -9,7 +9,7 @@ import msgspec
 import orjson
 
 from rankgate.app.edge.limits import InputLimits, check_engine_json, check_fanout
-from rankgate.app.errors import ApiError, invalid, unsupported
+from rankgate.app.errors import ApiError, as_api_error, invalid, unsupported
 from rankgate.app.parsers import OutputPlan, Tool, Vocabulary, plan_for
 from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.prepare.media import MediaHook
@@ -238,9 +238,7 @@ class ChatPreparer:
             media, positions = await self._media_inputs(ids, refs, max_model_len - text_len - asked)
         except MediaOverBudget as exc:
             self._stopping(req, text_len + exc.tokens, max_model_len)
-            raise ApiError(
-                400, exc.message, param="messages", code="context_length_exceeded"
-            ) from None
+            raise as_api_error(exc) from None
         if positions is None:
             return media
         # Where each item sits lets the router expand it and match the blocks it fills.
@@ -428,10 +426,7 @@ class ChatPreparer:
         except MediaOverBudget:
             raise
         except MediaError as exc:
-            noun = exc.label.partition(" ")[0]
-            raise ApiError(
-                exc.status, exc.message, param="messages", code=f"invalid_{noun}"
-            ) from None
+            raise as_api_error(exc) from None
         return media, positions
 
     def observe(self, prepared: PreparedChat, first: Delta | None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
 from rankgate.app.edge.head import RequestHead
@@ -14,19 +14,20 @@ from rankgate.app.routes.generation import answer, prepare, response_context
 from rankgate.app.routes.observed import observed
 from rankgate.app.schemas.openapi import operation
 from rankgate.app.schemas.requests import CHAT_DECODER
+from rankgate.app.serving.fastpath import HotRoute
 from rankgate.sidecar import Delta
 
-router = APIRouter()
 
-
-@router.post(
-    "/v1/chat/completions",
-    response_class=Response,
-    summary="Create a chat completion",
-    **operation("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
-)
 async def create_chat_completion(request: Request) -> Response:
     return await observed(request, "chat", _serve)
+
+
+ROUTE = HotRoute(
+    "/v1/chat/completions",
+    create_chat_completion,
+    summary="Create a chat completion",
+    openapi=operation("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+)
 
 
 async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> Response:

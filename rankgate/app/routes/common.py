@@ -10,13 +10,14 @@ import msgspec
 from fastapi import Request
 
 from rankgate.app.edge.head import RequestHead
-from rankgate.app.edge.limits import InputLimits, check_content_type, check_shape, read_body
+from rankgate.app.edge.limits import check_content_type, check_shape, read_body
 from rankgate.app.errors import ApiError, from_decode_error, invalid
 from rankgate.app.gateway import Gateway
 from rankgate.app.observability.metrics import GatewayMetrics
 from rankgate.app.prepare.chat import ChatPreparer, PreparedChat
 from rankgate.app.respond.primed import Primed, close_stream, prime
 from rankgate.app.schemas.unknown_fields import decode_ignoring_unknown, unknown_field
+from rankgate.app.state import state_of
 from rankgate.sidecar import Delta, EngineUnavailable
 
 T = TypeVar("T")
@@ -27,15 +28,14 @@ def new_id() -> str:
 
 
 def gateway_of(request: Request) -> Gateway:
-    gateway: Gateway | None = getattr(request.app.state, "gateway", None)
+    gateway = state_of(request).gateway
     if gateway is None:
         raise EngineUnavailable("the gateway is starting", 1.0)
     return gateway
 
 
 def metrics_of(request: Request) -> GatewayMetrics:
-    metrics: GatewayMetrics = request.app.state.metrics
-    return metrics
+    return state_of(request).metrics
 
 
 async def decode_body(
@@ -44,7 +44,7 @@ async def decode_body(
     """The body as ``decoder``'s type, after its content type, size and shape are checked,
     and the head with the body's size. Fields no schema knows are ignored, as vLLM does,
     unless the operator asked for them to be refused."""
-    limits: InputLimits = request.app.state.limits
+    limits = state_of(request).limits
     check_content_type(head.content_type)
     body = await read_body(request.receive, head.declared_length, limits.max_body_bytes)
     if not body:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
 from rankgate.app.edge.head import RequestHead
@@ -16,19 +16,20 @@ from rankgate.app.routes.generation import answer, prepare, response_context
 from rankgate.app.routes.observed import observed
 from rankgate.app.schemas.openapi import operation
 from rankgate.app.schemas.requests import COMPLETION_DECODER
+from rankgate.app.serving.fastpath import HotRoute
 from rankgate.sidecar import Delta
 
-router = APIRouter()
 
-
-@router.post(
-    "/v1/completions",
-    response_class=Response,
-    summary="Create a text completion",
-    **operation("CompletionRequest", "Completion", "Completion"),
-)
 async def create_completion(request: Request) -> Response:
     return await observed(request, "completions", _serve)
+
+
+ROUTE = HotRoute(
+    "/v1/completions",
+    create_completion,
+    summary="Create a text completion",
+    openapi=operation("CompletionRequest", "Completion", "Completion"),
+)
 
 
 async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> Response:

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from rankgate.app.edge.affinity import affinity_key
 from rankgate.app.edge.head import RequestHead
 from rankgate.app.gateway import Gateway
-from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.observability.record import RequestRecord, Tracked
 from rankgate.app.parsers import OutputPlan
 from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.respond.context import NO_PARSING, ResponseContext
@@ -27,6 +27,7 @@ from rankgate.app.routes.common import whole_body
 from rankgate.app.routes.observed import engine_request_id
 from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.requests import SamplingFields
+from rankgate.app.state import state_of
 from rankgate.sidecar import Delta
 
 Req = TypeVar("Req", bound=SamplingFields, contravariant=True)
@@ -132,7 +133,7 @@ async def answer(
         except BaseException:
             await close_stream(deltas)
             raise
-    observer = observer_of(request)
+    observer = state_of(request).observer
 
     def done(status: int) -> None:
         observer.finish(record, status)

@@ -10,6 +10,7 @@ from rankgate.app.errors import model_not_found
 from rankgate.app.routes.common import gateway_of
 from rankgate.app.schemas.openapi import json_response
 from rankgate.app.schemas.responses import ModelList, ModelObject
+from rankgate.app.state import state_of
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()
@@ -19,9 +20,10 @@ DEMO_OWNER = "rankgate-demo (bundled mock engine, made-up text; start with --eng
 
 async def _objects(request: Request) -> list[ModelObject]:
     gateway = gateway_of(request)
-    created: int = request.app.state.started_at
+    state = state_of(request)
+    created = state.started_at
     max_len = gateway.engine.info.max_model_len
-    owner = DEMO_OWNER if getattr(request.app.state, "demo", False) else "rankgate"
+    owner = DEMO_OWNER if state.demo else "rankgate"
     return [
         ModelObject(
             id=card.id,

@@ -17,8 +17,9 @@ from starlette.responses import Response
 from rankgate.app.edge.head import RequestHead, read_head
 from rankgate.app.edge.request_id import HEADER, is_safe
 from rankgate.app.errors import as_api_error
-from rankgate.app.observability.record import RequestRecord, observer_of
+from rankgate.app.observability.record import RequestRecord
 from rankgate.app.respond.sse import EventStreamResponse
+from rankgate.app.state import state_of
 
 Serve = Callable[[Request, RequestHead, RequestRecord], Awaitable[Response]]
 CLIENT_GONE = 499
@@ -28,10 +29,11 @@ _HEADER = HEADER.encode()
 async def observed(request: Request, endpoint: str, serve: Serve) -> Response:
     """``serve`` answers the request. Its head is read here, once, before anything can be
     refused, so that every answer carries the request's id."""
-    observer = observer_of(request)
-    head = read_head(request.scope, request.app.state.affinity_header)
+    state = state_of(request)
+    observer = state.observer
+    head = read_head(request.scope, state.affinity_header)
     record = observer.begin(endpoint, head.request_id, head.client_named)
-    tracing = request.app.state.tracing
+    tracing = state.tracing
     if tracing is not None:
         record.trace = tracing.begin(
             request.method, request.url.path, request.headers, record.request_id

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rankgate import __version__
-from rankgate.app.observability.metrics import GatewayMetrics
 from rankgate.app.schemas.openapi import json_response
 from rankgate.app.schemas.responses import Health, Readiness, Version
+from rankgate.app.state import state_of
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()
@@ -36,8 +36,9 @@ async def health() -> Response:
     },
 )
 async def ready(request: Request) -> Response:
-    gateway = getattr(request.app.state, "gateway", None)
-    if gateway is None or not gateway.engine.ready or request.app.state.shutdown.draining:
+    state = state_of(request)
+    gateway = state.gateway
+    if gateway is None or not gateway.engine.ready or state.shutdown.draining:
         body = Readiness(ready=False, model=None, engine_version=None, dp_size=None)
         return Response(_ENCODER.encode(body), 503, {"Retry-After": "1"}, media_type=_JSON)
     info = gateway.engine.info
@@ -52,7 +53,7 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    gateway_metrics: GatewayMetrics = request.app.state.metrics
+    gateway_metrics = state_of(request).metrics
     if gateway_metrics.multiproc_dir is None:
         body, content_type = gateway_metrics.exposition()
     else:
@@ -63,7 +64,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/version", response_class=Response, responses=json_response("Version"))
 async def version(request: Request) -> Response:
-    gateway = getattr(request.app.state, "gateway", None)
+    gateway = state_of(request).gateway
     engine_version = None
     if gateway is not None and gateway.engine.ready:
         engine_version = gateway.engine.info.engine_version

@@ -16,9 +16,8 @@ from starlette.responses import Response
 from rankgate.app.edge.affinity import affinity_key
 from rankgate.app.edge.auth import tenant_of
 from rankgate.app.edge.head import RequestHead
-from rankgate.app.edge.limits import InputLimits
 from rankgate.app.errors import ApiError
-from rankgate.app.observability.record import RequestRecord, Tracked, observer_of
+from rankgate.app.observability.record import RequestRecord, Tracked
 from rankgate.app.prepare.context import PrepareContext
 from rankgate.app.prepare.responses import chat_request, renamed
 from rankgate.app.respond.document import JsonDocument
@@ -39,24 +38,27 @@ from rankgate.app.routes.route_header import raw_route_headers, route_headers
 from rankgate.app.schemas.openapi import json_response, operation
 from rankgate.app.schemas.requests import Message
 from rankgate.app.schemas.responses_api import RESPONSES_DECODER, ResponseDeleted, ResponseObject
+from rankgate.app.serving.fastpath import HotRoute
+from rankgate.app.state import state_of
 
 router = APIRouter()
 _ENCODER = msgspec.json.Encoder()
 
 
 def store_of(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses
-    return store
+    return state_of(request).responses
 
 
-@router.post(
-    "/v1/responses",
-    response_class=Response,
-    summary="Create a model response",
-    **operation("ResponsesRequest", "ResponseObject", "ResponseStreamEvent"),
-)
 async def create_response(request: Request) -> Response:
     return await observed(request, "responses", _serve)
+
+
+ROUTE = HotRoute(
+    "/v1/responses",
+    create_response,
+    summary="Create a model response",
+    openapi=operation("ResponsesRequest", "ResponseObject", "ResponseStreamEvent"),
+)
 
 
 async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> Response:
@@ -76,7 +78,7 @@ async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> 
         history = store.conversation(req.previous_response_id, tenant)
         chain = store.chain(req.previous_response_id, tenant) or req.previous_response_id
     affinity = affinity_key(head, req.prompt_cache_key, chain)
-    limits: InputLimits = request.app.state.limits
+    limits = state_of(request).limits
     turn = chat_request(req, history, ignore_unknown=not limits.reject_unknown_fields)
     rid = engine_request_id(record, req.request_id)
     trace = record.trace
@@ -116,7 +118,7 @@ async def _serve(request: Request, head: RequestHead, record: RequestRecord) -> 
         return JsonDocument(body, raw_route_headers(first))
     deltas = await prime(Tracked(gateway.engine.generate(prepared.request), record))
     await observe_first(gateway.chat, prepared, deltas)
-    observer = observer_of(request)
+    observer = state_of(request).observer
 
     def done(status: int) -> None:
         observer.finish(record, status)

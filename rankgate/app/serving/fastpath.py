@@ -1,19 +1,23 @@
-"""Direct dispatch of the two hot endpoints, ahead of routing and dependency resolution.
+"""Direct dispatch of the hot POST endpoints, ahead of routing and dependency resolution.
 
 The OpenAI POST routes take only the raw ``Request`` and do their own decoding, so FastAPI's
 path matching and dependency solving add per-request CPU and nothing else. This middleware
-sends those two paths straight to their handlers and maps any error the one way
-``rankgate.app.errors`` defines; the routes stay registered on the app for /openapi.json and for any
-request this middleware does not take.
+sends those paths straight to their handlers and maps any error the one way
+``rankgate.app.errors`` defines. Each is one :class:`HotRoute`, from which both this
+middleware's table and the route's FastAPI registration (for /openapi.json and for any request
+this middleware does not take) come; :func:`check_bare` holds the registration to asking
+FastAPI for nothing but the request, so a dependency cannot run in one way in and not the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.datastructures import State
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
@@ -29,29 +33,17 @@ Handler = Callable[[Request], Awaitable[Response]]
 _WHOLE = frozenset({Response, JsonDocument})
 
 
-class AppState(State):
-    """Starlette's ``State`` with each value also an ordinary attribute. A hot path's
-    ``app.state.name`` is then a plain lookup, not a failed one (an ``AttributeError`` with
-    its message formatted, then dropped) followed by ``__getattr__``."""
+@dataclass(frozen=True, slots=True)
+class HotRoute:
+    """A POST route served by :class:`FastPath`, declared once: the FastAPI registration
+    (for /openapi.json and the requests the fast path does not take) and the fast path's
+    table both come from it. ``openapi``: the operation's ``openapi_extra`` and
+    ``responses``, since FastAPI cannot infer a body the handler decodes itself."""
 
-    def __init__(self, state: dict[str, Any] | None = None) -> None:
-        super().__init__(state)
-        for key, value in self._state.items():
-            object.__setattr__(self, key, value)
-
-    def __setattr__(self, key: Any, value: Any) -> None:
-        super().__setattr__(key, value)
-        object.__setattr__(self, key, value)
-
-    def __delattr__(self, key: Any) -> None:
-        super().__delattr__(key)
-        object.__delattr__(self, key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self.__setattr__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self.__delattr__(key)
+    path: str
+    handler: Handler
+    summary: str
+    openapi: Mapping[str, Any]
 
 
 class FastPathApp(FastAPI):
@@ -70,12 +62,29 @@ class FastPathApp(FastAPI):
     hot_paths: frozenset[str] = frozenset()
     _hot_entry: ASGIApp | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.state = AppState(self.state._state)
+    def serve_directly(self, routes: Iterable[HotRoute]) -> dict[str, Handler]:
+        """Register each route with FastAPI, on the app itself, and serve it through
+        :class:`FastPath`, added here as the innermost user middleware so that all added later
+        still run first. Returns the fast path's table (path: handler).
 
-    def serve_directly(self, paths: Iterable[str]) -> None:
-        self.hot_paths = frozenset(paths)
+        Raises :class:`NotBare` for a route FastAPI would run with more than the request: a
+        dependency of the app's (or the handler's), or a parameter it would parse.
+        """
+        table: dict[str, Handler] = {}
+        for route in routes:
+            self.add_api_route(
+                route.path,
+                route.handler,
+                methods=["POST"],
+                response_class=Response,
+                summary=route.summary,
+                **route.openapi,
+            )
+            check_bare(self, route.path, route.handler)
+            table[route.path] = route.handler
+        self.hot_paths = frozenset(table)
+        self.add_middleware(FastPath, routes=table)
+        return table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in self.hot_paths:
@@ -105,6 +114,47 @@ class FastPathApp(FastAPI):
             return super().build_middleware_stack()
         finally:
             self.user_middleware = user
+
+
+class NotBare(TypeError):
+    """A fast-path route that FastAPI would run differently from the fast path."""
+
+
+def check_bare(app: FastAPI, path: str, handler: Handler) -> None:
+    """Raise :class:`NotBare` unless FastAPI's POST route for ``path`` calls ``handler`` with
+    the request alone: no dependency (the handler's or the app's), no parameter
+    FastAPI would parse, no ``Response`` or ``BackgroundTasks`` it would inject."""
+    found = [
+        route
+        for route in app.router.routes
+        if isinstance(route, APIRoute) and route.path == path and "POST" in (route.methods or ())
+    ]
+    if [route.endpoint for route in found] != [handler]:
+        raise NotBare(
+            f"POST {path} must be registered with FastAPI once, for its fast-path handler"
+        )
+    needs = _needs(found[0].dependant)
+    if needs:
+        raise NotBare(f"POST {path} is served by the fast path, which would skip its {needs}")
+
+
+def _needs(dependant: Dependant) -> list[str]:
+    asked = {
+        "dependencies": dependant.dependencies,
+        "path parameters": dependant.path_params,
+        "query parameters": dependant.query_params,
+        "header parameters": dependant.header_params,
+        "cookie parameters": dependant.cookie_params,
+        "body parameters": dependant.body_params,
+        "injected response": dependant.response_param_name,
+        "background tasks": dependant.background_tasks_param_name,
+        "security scopes": dependant.security_scopes_param_name,
+        "connection": dependant.http_connection_param_name,
+    }
+    needs = [name for name, value in asked.items() if value]
+    if dependant.request_param_name is None:
+        needs.append("missing request parameter")
+    return needs
 
 
 class FastPath:

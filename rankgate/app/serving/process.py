@@ -34,7 +34,7 @@ def serve_worker(
         lifespan="on",
         timeout_graceful_shutdown=int(settings.shutdown_grace + BACKSTOP_S),
     )
-    server = GracefulServer(config, app.state.shutdown)
+    server = GracefulServer(config, app.gateway_state.shutdown)
     server.run(sockets=sockets)
     # uvicorn returns normally when startup fails; report that as a failure.
     return 0 if server.started else 1
