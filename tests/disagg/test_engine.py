@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +23,7 @@ from rankgate.sidecar.admission import Admission, AdmissionConfig
 from rankgate.sidecar.config import DisaggConfig, SidecarConfig
 from rankgate.sidecar.disagg import DisaggregatedEngine, learned_media, routing_for
 from rankgate.sidecar.engine import Sidecar
-from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable
+from rankgate.sidecar.errors import DiscoveryError, EngineUnavailable, InvalidRequest
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import (
@@ -34,6 +35,7 @@ from rankgate.sidecar.types import (
 )
 from tests.disagg.conftest import Pair, engine_config, engine_pair
 from tests.support.mock_engine import running_mock_engine
+from tests.support.polling import until
 
 # Slow enough to cancel inside each phase on a busy machine: a 200-token prompt prefills for
 # about 2 s, and a decode waits the configured transfer time for its KV.
@@ -81,16 +83,6 @@ def prepared(
     )
 
 
-async def eventually(condition: Callable[[], bool], within: float = 10.0) -> float:
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not condition():
-        if loop.time() - start > within:
-            raise AssertionError(f"condition not met within {within} s")
-        await asyncio.sleep(0.01)
-    return loop.time() - start
-
-
 async def consume(stream: AsyncIterator[Delta], deltas: list[Delta]) -> None:
     """Collect into ``deltas`` as they come, so a test sees them while the stream runs."""
     async for delta in stream:
@@ -107,6 +99,14 @@ def assert_clean(pair: Pair, stranded: int = 0) -> None:
     assert (prefill.held_transfers, prefill.leases_expired) == (stranded, 0)
 
 
+async def round_trip(side: Sidecar) -> None:
+    """A request through ``side``'s connection that its engine refuses at once: what the
+    connection carried before it (a dropped stream) has reached the engine when it returns."""
+    unsigned = prepared("probe", 4, 1, kv_transfer_params={"do_remote_prefill": True})
+    with pytest.raises(InvalidRequest, match="no transfer_digest"):
+        await consume(side.generate(unsigned), [])
+
+
 async def abort_lost(request_ids: object) -> None:
     """A ``Sidecar.abort`` whose Abort lands after the engine finished the prefill."""
 
@@ -114,7 +114,11 @@ async def abort_lost(request_ids: object) -> None:
 async def leave_during_prefill(engine: DisaggregatedEngine, pair: Pair, rid: str) -> None:
     """A client that leaves while the prefill of its 200-token prompt runs."""
     task = asyncio.ensure_future(consume(engine.generate(prepared(rid, 200)), []))
-    await eventually(lambda: pair.totals("prefill").running == 1)
+    await until(
+        lambda: pair.totals("prefill").running == 1,
+        10,
+        lambda: f"{pair.totals('prefill').running} running on the prefill engine",
+    )
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -125,12 +129,16 @@ async def test_cancel_during_prefill_drops_it_at_once_and_sends_no_decode() -> N
         async with disaggregated(pair) as engine:
             deltas: list[Delta] = []
             task = asyncio.ensure_future(consume(engine.generate(prepared("p", 200)), deltas))
-            await eventually(lambda: pair.totals("prefill").running == 1)
+            await until(
+                lambda: pair.totals("prefill").running == 1,
+                10,
+                lambda: f"{pair.totals('prefill').running} running on the prefill engine",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             # Dropped at once: well before the two-second prefill could have finished.
-            assert await eventually(pair.idle, within=1.0) < 1.0
+            await until(pair.idle, 1.0, "the pair idle")
             prefill = pair.totals("prefill")
             assert (prefill.aborts, prefill.requests_served) == (1, 0)
             assert pair.totals("decode").requests_received == 0
@@ -152,8 +160,12 @@ async def test_a_prefill_that_finishes_as_its_client_leaves_has_its_kv_read_at_o
         await engine.start()
         try:
             await leave_during_prefill(engine, pair, "late")
-            await eventually(lambda: pair.totals("prefill").transfers_released == 1)
-            await eventually(pair.idle)
+            await until(
+                lambda: pair.totals("prefill").transfers_released == 1,
+                10,
+                lambda: f"{pair.totals('prefill').transfers_released} transfers released",
+            )
+            await until(pair.idle, 10, "the pair idle")
             served, decode = pair.totals("prefill"), pair.totals("decode")
             assert (served.requests_served, served.aborts) == (1, 0)
             assert decode.requests_received == 1
@@ -180,7 +192,11 @@ async def test_a_finished_prefill_whose_kv_cannot_be_handed_off_is_logged(
         await engine.start()
         try:
             await leave_during_prefill(engine, pair, "gone")
-            await eventually(lambda: "could not hand off the KV of gone" in caplog.text)
+            await until(
+                lambda: "could not hand off the KV of gone" in caplog.text,
+                10,
+                "the failed hand-off is logged",
+            )
             assert pair.totals("prefill").held_transfers == 1
             assert pair.totals("decode").requests_received == 0
         finally:
@@ -200,14 +216,22 @@ async def test_a_prefill_cancelled_while_it_waits_for_a_slot_is_never_sent() -> 
                 asyncio.ensure_future(consume(engine.generate(prepared(rid, 200)), []))
                 for rid in ("a", "b")
             ]
-            await eventually(lambda: pair.totals("prefill").running == 2)
+            await until(
+                lambda: pair.totals("prefill").running == 2,
+                10,
+                lambda: f"{pair.totals('prefill').running} running on the prefill engine",
+            )
             waiting = asyncio.ensure_future(consume(engine.generate(prepared("c", 200)), []))
-            await eventually(lambda: one_slot.waiting == 1)
+            await until(
+                lambda: one_slot.waiting == 1,
+                10,
+                lambda: f"{one_slot.waiting} waiting for the slot",
+            )
             for task in (waiting, *running):
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            await eventually(pair.idle)
+            await until(pair.idle, 10, "the pair idle")
             prefill = pair.totals("prefill")
             assert (prefill.requests_received, prefill.aborts) == (2, 2)
             assert pair.totals("decode").requests_received == 0
@@ -219,23 +243,32 @@ async def test_a_prefill_cancelled_while_it_waits_for_a_slot_is_never_sent() -> 
 
 async def test_cancel_after_decode_submission_drains_until_the_first_token() -> None:
     with engine_pair(decode={"kv_transfer_seconds": 0.8}) as pair:
-        async with disaggregated(pair) as engine:
+        decode_side = sidecar(pair.decode.target)
+        engine = remote_pd(sidecar(pair.prefill.target), decode_side)
+        await engine.start()
+        try:
             task = asyncio.ensure_future(consume(engine.generate(prepared("d")), []))
-            await eventually(lambda: pair.totals("decode").transferring == 1)
+            await until(
+                lambda: pair.totals("decode").transferring == 1,
+                10,
+                lambda: f"{pair.totals('decode').transferring} transferring on the decode engine",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.3)
+            await round_trip(decode_side)
             # The client is gone, but the transfer is still running and the stream attached.
             decode = pair.totals("decode")
             assert (decode.transferring, decode.active) == (1, 1)
-            await eventually(pair.idle)
+            await until(pair.idle, 10, "the pair idle")
             decode = pair.totals("decode")
             assert decode.transfers_completed == 1
             assert decode.generated_tokens >= 1
             # Dropped right after its first token: aborted, not served to the end.
             assert (decode.aborts, decode.requests_served) == (1, 0)
             assert_clean(pair)
+        finally:
+            await engine.close()
 
 
 async def test_cancel_after_the_first_token_drops_the_decode_at_once() -> None:
@@ -243,49 +276,64 @@ async def test_cancel_after_the_first_token_drops_the_decode_at_once() -> None:
         async with disaggregated(pair) as engine:
             deltas: list[Delta] = []
             task = asyncio.ensure_future(consume(engine.generate(prepared("f")), deltas))
-            await eventually(lambda: len(deltas) >= 2)
+            await until(lambda: len(deltas) >= 2, 10, lambda: f"{len(deltas)} deltas")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert await eventually(pair.idle, within=1.0) < 1.0
+            await until(pair.idle, 1.0, "the pair idle")
             decode = pair.totals("decode")
             assert (decode.aborts, decode.requests_served) == (1, 0)
             assert decode.generated_tokens < 200
             assert_clean(pair)
 
 
-async def test_the_hand_off_drain_is_bounded_by_its_timeout() -> None:
+async def test_the_hand_off_drain_is_bounded_by_its_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rankgate.sidecar")
     with engine_pair(decode={"kv_transfer_seconds": 30.0}) as pair:
         async with disaggregated(pair, decode_handoff_timeout=0.5) as engine:
             task = asyncio.ensure_future(consume(engine.generate(prepared("t")), []))
-            await eventually(lambda: pair.totals("decode").transferring == 1)
+            await until(
+                lambda: pair.totals("decode").transferring == 1,
+                10,
+                lambda: f"{pair.totals('decode').transferring} transferring on the decode engine",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            waited = await eventually(pair.idle)
-            assert 0.4 <= waited < 3.0
+            await until(pair.idle, 10, "the pair idle")
+            # Dropped by the bound, not by the client leaving.
+            assert (
+                "decode request t-0 had no first token 0.5 s after its client left" in caplog.text
+            )
             # The bound chose to drop a transfer that would not finish: the hazard, counted.
             assert_clean(pair, stranded=1)
 
 
 async def test_shutdown_pre_empts_the_hand_off_drain() -> None:
     with engine_pair(decode={"kv_transfer_seconds": 30.0}) as pair:
-        engine = remote_pd(sidecar(pair.prefill.target), sidecar(pair.decode.target))
+        decode_side = sidecar(pair.decode.target)
+        engine = remote_pd(sidecar(pair.prefill.target), decode_side)
         await engine.start()
         try:
             task = asyncio.ensure_future(consume(engine.generate(prepared("s")), []))
-            await eventually(lambda: pair.totals("decode").transferring == 1)
+            await until(
+                lambda: pair.totals("decode").transferring == 1,
+                10,
+                lambda: f"{pair.totals('decode').transferring} transferring on the decode engine",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.2)
+            await round_trip(decode_side)
             assert pair.totals("decode").active == 1
         finally:
             loop = asyncio.get_running_loop()
             start = loop.time()
             await engine.close()
             assert loop.time() - start < 3.0
-        assert await eventually(pair.idle, within=3.0) < 3.0
+        await until(pair.idle, 3.0, "the pair idle")
         assert not engine.ready
         with pytest.raises(EngineUnavailable, match="prefill engine: the gateway is shutting down"):
             _ = engine.info
@@ -307,7 +355,7 @@ async def test_a_hundred_random_cancellations_strand_and_leak_nothing() -> None:
                     await task
 
             await asyncio.gather(*(one(i) for i in range(100)))
-            await eventually(pair.idle, within=20)
+            await until(pair.idle, 20, "the pair idle")
             assert_clean(pair)
             decode = pair.totals("decode")
             # Every decode that was sent got its KV, though most clients left before that.
@@ -326,14 +374,22 @@ async def test_each_side_holds_an_admission_slot_only_while_its_phase_runs() -> 
         try:
             assert engine.admission is decode.admission
             task = asyncio.ensure_future(consume(engine.generate(prepared("h")), []))
-            await eventually(lambda: pair.totals("decode").transferring == 1)
+            await until(
+                lambda: pair.totals("decode").transferring == 1,
+                10,
+                lambda: f"{pair.totals('decode').transferring} transferring on the decode engine",
+            )
             assert (prefill.admission.in_use, decode.admission.in_use) == (0, 1)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             # The client left; the hand-off drain still holds the decode's slot.
             assert decode.admission.in_use == 1
-            await eventually(lambda: decode.admission.in_use == 0)
+            await until(
+                lambda: decode.admission.in_use == 0,
+                10,
+                lambda: f"{decode.admission.in_use} decode slots in use",
+            )
 
             async def one(i: int) -> None:
                 task = asyncio.ensure_future(
@@ -345,8 +401,12 @@ async def test_each_side_holds_an_admission_slot_only_while_its_phase_runs() -> 
                     await task
 
             await asyncio.gather(*(one(i) for i in range(30)))
-            await eventually(pair.idle, within=20)
-            await eventually(lambda: prefill.admission.in_use + decode.admission.in_use == 0)
+            await until(pair.idle, 20, "the pair idle")
+            await until(
+                lambda: prefill.admission.in_use + decode.admission.in_use == 0,
+                10,
+                lambda: f"in use: {prefill.admission.in_use} + {decode.admission.in_use}",
+            )
             assert (prefill.admission.waiting, decode.admission.waiting) == (0, 0)
             assert_clean(pair)
         finally:
@@ -382,12 +442,12 @@ async def test_readiness_needs_both_sides() -> None:
         async with disaggregated(pair) as engine:
             assert engine.ready
             pair.decode.faults.set_serving(False)
-            await eventually(lambda: not engine.ready)
+            await until(lambda: not engine.ready, 10, "the engine stops being ready")
             with pytest.raises(EngineUnavailable, match=r"^decode engine: "):
                 await consume(engine.generate(prepared("x")), [])
             assert pair.totals("prefill").requests_received == 0
             pair.decode.faults.set_serving(True)
-            await eventually(lambda: engine.ready)
+            await until(lambda: engine.ready, 10, "the engine is ready again")
             deltas: list[Delta] = []
             await consume(engine.generate(prepared("y", max_tokens=3)), deltas)
             assert deltas[-1].finish_reason == "length"

@@ -13,6 +13,8 @@ import pytest
 
 from rankgate.sidecar.admission import AdmissionConfig
 from tests.disagg.conftest import Pair, chat_body, engine_pair, gateway_url
+from tests.support.metrics import metric_total
+from tests.support.polling import until
 
 # A long prompt prefills for about 2 s; a decode waits 1 s for its KV, then steps every 50 ms.
 SLOW = {
@@ -33,15 +35,6 @@ def url(pair: Pair) -> Iterator[str]:
         yield base
 
 
-async def until(condition: Callable[[], bool], within: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {within} s")
-        await asyncio.sleep(0.01)
-
-
 async def hang_up_when(url: str, body: dict[str, Any], condition: Callable[[], bool]) -> list[str]:
     """Send ``body`` and drop the connection once ``condition()`` holds; the lines read."""
     lines: list[str] = []
@@ -55,7 +48,9 @@ async def hang_up_when(url: str, body: dict[str, Any], condition: Callable[[], b
                 lines.append(line)  # noqa: PERF401 (read while the stream runs)
 
     task = asyncio.ensure_future(talk())
-    await until(lambda: condition() or task.done())
+    await until(
+        lambda: condition() or task.done(), 20, "the moment to hang up, or the end of the request"
+    )
     assert not task.done(), "the request ended before the client could hang up"
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -65,6 +60,13 @@ async def hang_up_when(url: str, body: dict[str, Any], condition: Callable[[], b
 
 def long_prompt(tag: str) -> str:
     return f"{tag}: " + " ".join(f"word{i}" for i in range(120))
+
+
+def ended(url: str) -> float:
+    """The requests the gateway has ended, whatever their status (a hung-up stream's is the
+    200 it had already sent)."""
+    with httpx.Client(base_url=url) as http:
+        return metric_total(http, "rankgate_http_requests_total")
 
 
 def assert_clean(pair: Pair) -> None:
@@ -79,7 +81,7 @@ async def test_hang_up_during_prefill(pair: Pair, url: str, stream: bool) -> Non
     body = chat_body(long_prompt(f"prefill-{stream}"), stream=stream, max_tokens=50)
     await hang_up_when(url, body, lambda: pair.totals("prefill").running > prefill_before.running)
     # Dropped at once, long before its two-second prefill could end; no decode was sent.
-    await until(pair.idle, within=1.5)
+    await until(pair.idle, 1.5, "the pair idle")
     prefill = pair.totals("prefill")
     assert prefill.aborts == prefill_before.aborts + 1
     assert prefill.requests_served == prefill_before.requests_served
@@ -91,11 +93,12 @@ async def test_hang_up_during_prefill(pair: Pair, url: str, stream: bool) -> Non
 async def test_hang_up_after_decode_submission(pair: Pair, url: str, stream: bool) -> None:
     before = pair.totals("decode")
     body = chat_body(f"submitted-{stream}", stream=stream, max_tokens=50)
+    left = ended(url)
     await hang_up_when(url, body, lambda: pair.totals("decode").transferring == 1)
-    await asyncio.sleep(0.3)
+    await until(lambda: ended(url) > left, 10, "the gateway ends the request")
     # The client is gone; the decode stays attached until its KV transfer is done.
     assert pair.totals("decode").transferring == 1
-    await until(pair.idle)
+    await until(pair.idle, 20, "the pair idle")
     decode = pair.totals("decode")
     assert decode.transfers_completed == before.transfers_completed + 1
     assert decode.aborts == before.aborts + 1
@@ -111,7 +114,7 @@ async def test_hang_up_after_the_first_token(pair: Pair, url: str) -> None:
         lambda: pair.totals("decode").generated_tokens > decode_before.generated_tokens + 2,
     )
     assert any(line.startswith("data: ") for line in lines)
-    await until(pair.idle, within=5.0)
+    await until(pair.idle, 5.0, "the pair idle")
     decode = pair.totals("decode")
     assert decode.aborts == decode_before.aborts + 1
     assert decode.generated_tokens - decode_before.generated_tokens < 100
@@ -143,14 +146,19 @@ async def test_hang_up_while_the_decode_waits_for_admission() -> None:
             )
             for i in range(2)
         ]
-        await until(lambda: pair.totals("decode").running == 2)
+        await until(
+            lambda: pair.totals("decode").running == 2,
+            20,
+            lambda: f"{pair.totals('decode').running} running on the decode engine",
+        )
         before = pair.totals("prefill")
         assert before.held_transfers == 0
         body = chat_body("waits-for-a-slot", stream=True, max_tokens=5)
         await hang_up_when(url, body, lambda: pair.totals("prefill").held_transfers == 1)
         await until(
             lambda: pair.totals("prefill").transfers_released == before.transfers_released + 1,
-            within=10.0,  # well inside the 30 s lease
+            10.0,  # well inside the 30 s lease
+            lambda: f"{pair.totals('prefill').transfers_released} transfers released",
         )
         prefill = pair.totals("prefill")
         assert (prefill.held_transfers, prefill.leases_expired) == (0, 0)
@@ -159,5 +167,5 @@ async def test_hang_up_while_the_decode_waits_for_admission() -> None:
         for task in blockers:
             task.cancel()
         await asyncio.gather(*blockers, return_exceptions=True)
-        await until(pair.idle)
+        await until(pair.idle, 20, "the pair idle")
         assert_clean(pair)

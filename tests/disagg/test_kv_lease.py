@@ -19,7 +19,8 @@ from rankgate.sidecar.disagg_metrics import DisaggMetrics
 from rankgate.sidecar.engine import Sidecar
 from rankgate.sidecar.types import Delta
 from tests.disagg.conftest import engine_pair
-from tests.disagg.test_engine import consume, eventually, prepared, sidecar
+from tests.disagg.test_engine import consume, prepared, sidecar
+from tests.support.polling import until
 
 LEASE = 1.0
 SHORT_LEASE = {"kv_lease_seconds": LEASE}
@@ -88,7 +89,7 @@ async def test_a_decode_not_started_within_the_lease_is_prefilled_again_locally(
             assert sample(registry, "rankgate_pd_kv_lease_missed_total", stage="sent") == 1
             # The given-up decode is still read to its first token (so no stream is cut
             # mid-transfer) and dropped; its garbage reaches no one.
-            await eventually(pair.idle, within=10)
+            await until(pair.idle, 10, "the pair idle")
             decode = pair.totals("decode")
             assert decode.expired_reads == 1
             assert decode.requests_received == 3  # the reference answer, the late decode, the retry
@@ -115,9 +116,10 @@ async def test_a_decode_still_waiting_for_a_slot_when_the_lease_can_end_is_never
                 keys = [held.take(rank) for rank in ranks]
             deltas: list[Delta] = []
             task = asyncio.ensure_future(consume(engine.generate(prepared("q", 60, 12)), deltas))
-            await eventually(
+            await until(
                 lambda: sample(registry, "rankgate_pd_kv_lease_missed_total", stage="queued") == 1,
-                within=10,
+                10,
+                "the queued decode misses its lease",
             )
             assert pair.totals("decode").requests_received == before
             for key in keys:
@@ -125,7 +127,7 @@ async def test_a_decode_still_waiting_for_a_slot_when_the_lease_can_end_is_never
                 decode.admission.give(key)
             await task
             assert tokens(deltas) == expected
-            await eventually(pair.idle, within=10)
+            await until(pair.idle, 10, "the pair idle")
             # One request on the decode engine: the local prefill. The KV's lease ran out
             # on the prefill side, and nothing read it late.
             assert pair.totals("decode").requests_received == before + 1
@@ -147,7 +149,7 @@ async def test_a_decode_that_starts_in_time_is_answered_from_the_transfer() -> N
             assert sample(registry, "rankgate_pd_kv_lease_missed_total", stage="sent") == 0
             assert sample(registry, "rankgate_pd_kv_lease_missed_total", stage="queued") == 0
             assert sample(registry, "rankgate_pd_kv_wait_seconds_count") == 1
-            await eventually(pair.idle)
+            await until(pair.idle, 10, "the pair idle")
             assert pair.totals("decode").requests_received == 1
             assert pair.totals("prefill").transfers_released == 1
         finally:

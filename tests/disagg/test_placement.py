@@ -5,7 +5,6 @@ can pin either, and ``/metrics`` counts each with its reason."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +14,10 @@ import pytest
 from rankgate.sidecar import DisaggConfig
 from tests.disagg.conftest import Pair, chat_body, engine_pair, gateway_url
 from tests.support.metrics import metric_total
+from tests.support.polling import wait_until
 
 PREFILLS = "rankgate_pd_prefills_total"
+INDEXED = "rankgate_routing_index_blocks"
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,6 @@ def served(pair: Pair) -> tuple[int, int]:
     return pair.totals("prefill").requests_received, pair.totals("decode").requests_received
 
 
-def wait_for(condition: Any, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.02)
-
-
 def test_short_prompts_skip_the_transfer_and_long_cold_ones_take_it(pair: Pair) -> None:
     with client_for(pair) as url, httpx.Client(base_url=url, timeout=30) as client:
         before = served(pair)
@@ -67,11 +61,13 @@ def test_short_prompts_skip_the_transfer_and_long_cold_ones_take_it(pair: Pair) 
 
         # The decode engine now holds the prompt (it pulled its KV); once its KV events say
         # so, the same prompt is prefilled there: only the last block or so is left to do.
-        wait_for(
+        wait_until(
             lambda: (
-                metric_total(client, "rankgate_routing_index_blocks", medium="device")
+                metric_total(client, INDEXED, medium="device")
                 >= cold["usage"]["prompt_tokens"] // 16
-            )
+            ),
+            10,
+            lambda: f"{metric_total(client, INDEXED, medium='device')} blocks indexed",
         )
         again = ask(client, text)
         assert again["choices"][0]["message"] == cold["choices"][0]["message"]
@@ -104,7 +100,11 @@ def test_a_busy_prefill_engine_sends_long_prompts_to_the_decode_engine() -> None
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             # Two long prompts occupy the prefill engine (about 2 s each) ...
             busy = [pool.submit(ask, client, long_text(10 + i)) for i in range(2)]
-            wait_for(lambda: pair.totals("prefill").running + pair.totals("prefill").waiting == 2)
+            wait_until(
+                lambda: pair.totals("prefill").running + pair.totals("prefill").waiting == 2,
+                10,
+                lambda: f"prefill: {pair.totals('prefill')}",
+            )
             # ... so a third, as long and as cold, is cheaper on the decode engine.
             ask(client, long_text(20))
             for future in busy:

@@ -289,11 +289,10 @@ async def hang_up_if_in_time(
                 lines.append(line)  # noqa: PERF401 (read while the stream runs)
 
     task = asyncio.ensure_future(talk())
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 120
-    while not (await asyncio.to_thread(condition, lines)) and not task.done():
-        assert loop.time() < deadline, "the hang-up condition never held"
-        await asyncio.sleep(0.02)
+    # Checked on a thread of its own: the condition reads the engines, and the loop streams.
+    await asyncio.to_thread(
+        wait_until, lambda: condition(lines) or task.done(), 120, "the hang-up condition"
+    )
     if task.done():
         task.result()
         return lines, False

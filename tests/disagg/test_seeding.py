@@ -5,7 +5,6 @@ completes, ``max_tokens`` 1)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from rankgate.sidecar import DisaggConfig
 from tests.disagg.conftest import MODEL, Pair, engine_pair, gateway_url
 from tests.disagg.test_gateway import aggregated, stream_chunks, stream_summary
 from tests.support.metrics import metric_total
+from tests.support.polling import wait_until
 
 __all__ = ["aggregated"]
 
@@ -142,10 +142,11 @@ def test_max_tokens_one_is_answered_by_the_prefill_and_its_kv_is_read_at_once(
     assert usage(ours) == usage(theirs) == {**usage(theirs), "completion_tokens": 1}
     assert metric_total(split, SEEDED, outcome="whole_answer") == whole + 1
     # The decode side reads the prefill's KV and drops it: not held until the lease ends.
-    deadline = time.monotonic() + 20
-    while pair.totals("prefill").transfers_released == released:
-        assert time.monotonic() < deadline, "the prefill's KV was never read"
-        time.sleep(0.02)
+    wait_until(
+        lambda: pair.totals("prefill").transfers_released != released,
+        20,
+        "the prefill's KV read",
+    )
     assert pair.totals("prefill").transfers_released == released + 1
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rankgate.mocker.cli import config_from_args, register
+from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
 
@@ -52,13 +52,12 @@ def test_python_dash_m_serves_until_stopped() -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(timeout=20)
             stub = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 5
-            while True:
+
+            def serving() -> bool:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+                return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+            wait_until(serving, 5, "the mock engine serving")
     finally:
         process.terminate()
         process.wait(10)

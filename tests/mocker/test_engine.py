@@ -7,6 +7,7 @@ import time
 
 from tests.mocker.conftest import BLOCK, Client, Events, engine, prompt, request
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 
 def ttft(client: Client, tokens: list[int], rank: int) -> float:
@@ -162,10 +163,11 @@ def test_max_running_requests_bounds_the_batch() -> None:
                 )
                 next(stream)
                 streams.append(stream)
-            time.sleep(0.1)
-            stats = handle.stats(0)
-            assert stats.running == 2
-            assert stats.waiting == 2
+            wait_until(
+                lambda: (handle.stats(0).running, handle.stats(0).waiting) == (2, 2),
+                10,
+                lambda: f"rank 0: {handle.stats(0)}",
+            )
         finally:
             for stream in streams:
                 stream.cancel()

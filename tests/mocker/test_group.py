@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from rankgate.mocker.config import ConfigError, MockEngineConfig
 from rankgate.wire.proto.vllm import control_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,12 @@ def test_concurrent_requests_spread_by_load() -> None:
                 )
                 next(stream)
                 streams.append(stream)
-                time.sleep(0.05)
+                # Running, not waiting: the next request is routed by the load it adds.
+                wait_until(
+                    lambda: sum(s.running for s in handle.all_stats().values()) == len(streams),
+                    10,
+                    lambda: f"{handle.all_stats()}",
+                )
             running = {rank: handle.stats(rank).active for rank in handle.ranks}
             assert running == {0: 2, 1: 2}
         finally:

@@ -11,7 +11,6 @@ import asyncio
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,11 +25,13 @@ from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 from tests.support.cyclic_garbage import cyclic_garbage
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
 END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
 FRAME = struct.Struct(">HBBBL")
+PROBE = b"probe!!!"
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,8 @@ class RawClient:
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.buffer = b""
+        # Frames read past while waiting for a PING's answer, handed out first.
+        self.held: list[tuple[int, int, int, bytes]] = []
         self.server_settings: dict[int, int] = {}
         payload = b"".join(struct.pack(">HL", k, v) for k, v in (settings or {}).items())
         self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0, payload))
@@ -75,7 +78,19 @@ class RawClient:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
+    def round_trip(self) -> None:
+        """Send a PING and read until its ACK: the server has read everything sent before."""
+        self.send(frame(PING, 0, 0, PROBE))
+        while True:
+            found = self._next_frame(5.0)
+            if found[0] == PING and found[1] & ACK and found[3] == PROBE:
+                return
+            self.held.append(found)
+
     def read_frame(self, timeout: float = 5.0) -> tuple[int, int, int, bytes]:
+        return self.held.pop(0) if self.held else self._next_frame(timeout)
+
+    def _next_frame(self, timeout: float) -> tuple[int, int, int, bytes]:
         self.sock.settimeout(timeout)
         while True:
             if len(self.buffer) >= 9:
@@ -377,7 +392,7 @@ def test_request_cut_into_pieces_and_ping(inloop: MockEngineHandle) -> None:
         raw.send(frame(HEADERS, 0, 1, block[:5]) + frame(0x9, END_HEADERS, 1, block[5:]))
         for at in range(0, len(body), 3):
             raw.send(frame(DATA, 0, 1, body[at : at + 3]))
-            time.sleep(0.001)
+            raw.round_trip()  # so that each piece is a read of its own
         raw.send(frame(PING, 0, 0, b"12345678"))
         raw.send(frame(DATA, END_STREAM, 1))
         got_ping = False
@@ -419,10 +434,9 @@ def test_reset_and_lost_connections_free_engine_requests() -> None:
             if kind == DATA:
                 seen.add(stream_id)
         raw.send(frame(RST_STREAM, 0, 1, struct.pack(">L", 0x8)))
-        deadline = time.monotonic() + 5
-        while sum(s.active for s in handle.all_stats().values()) != 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(
+            lambda: sum(handle.active().values()) == 3, 5, lambda: f"active: {handle.active()}"
+        )
         raw.close()
         handle.wait_idle()
         stats = handle.all_stats().values()

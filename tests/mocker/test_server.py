@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rankgate.wire.proto.vllm import control_pb2, inference_pb2
 from tests.mocker.conftest import Client, engine, prompt, request
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 
 def test_health_reports_every_service(mock: MockEngineHandle, client: Client) -> None:
@@ -129,9 +129,7 @@ def test_dropped_stream_aborts_the_request() -> None:
             next(stream)
             next(stream)
             stream.cancel()
-            deadline = time.monotonic() + 5
-            while handle.stats(0).aborts == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: handle.stats(0).aborts, 5, "the dropped stream aborted")
             handle.wait_idle()
             stats = handle.stats(0)
             assert stats.aborts == 1
@@ -185,9 +183,7 @@ def test_decode_cancelled_before_its_first_token_strands_the_transfer() -> None:
             )
             assert next(stream).HasField("prompt_info")
             stream.cancel()
-            deadline = time.monotonic() + 5
-            while handle.stats(0).stranded_transfers == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: handle.stats(0).stranded_transfers, 5, "the transfer stranded")
             assert handle.stats(0).stranded_transfers == 1
         finally:
             c.close()

@@ -17,6 +17,7 @@ from rankgate.sidecar.convert import decode_transfer_params, encode_transfer_par
 from rankgate.wire.proto.vllm import inference_pb2
 from tests.mocker.conftest import Client, engine, make_config, prompt, request
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +74,6 @@ def test_prefill_issues_signed_params(prefill: MockEngineHandle) -> None:
     assert params["remote_port"] > 0
 
 
-def wait_until(condition: Any, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def held(handle: MockEngineHandle) -> int:
     return sum(handle.stats(rank).held_transfers for rank in handle.ranks)
 
@@ -97,7 +91,9 @@ def test_prefill_holds_the_kv_until_the_decode_reads_it(
     finally:
         c.close()
     wait_until(
-        lambda: sum(prefill.stats(rank).transfers_released for rank in prefill.ranks) == before + 1
+        lambda: sum(prefill.stats(rank).transfers_released for rank in prefill.ranks) == before + 1,
+        5,
+        lambda: f"prefill: {prefill.all_stats()}",
     )
 
 
@@ -105,7 +101,7 @@ def test_unread_kv_is_freed_when_its_lease_expires() -> None:
     with engine(role="prefill", kv_lease_seconds=0.2) as handle:
         issued(handle, prompt(12, 40))
         assert held(handle) == 1
-        wait_until(lambda: held(handle) == 0)
+        wait_until(lambda: held(handle) == 0, 5, lambda: f"{held(handle)} transfers held")
         stats = [handle.stats(rank) for rank in handle.ranks]
         assert sum(s.leases_expired for s in stats) == 1
         assert sum(s.transfers_released for s in stats) == 0
@@ -214,9 +210,7 @@ def test_dropping_a_decode_during_its_transfer_strands_it(
         stats = decode.stats(0)
         assert (stats.transferring, stats.leaked) == (1, 0)
         stream.cancel()
-        deadline = time.monotonic() + 5
-        while decode.stats(0).active and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not decode.stats(0).active, 5, "the decode dropped")
     finally:
         c.close()
     stats = decode.stats(0)

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from tokenizers import Tokenizer
 
 from rankgate.mocker.config import MockEngineConfig
 from tests.support.mock_engine import MockEngineHandle, generate_on, running_mock_engine
+from tests.support.polling import wait_until
 from tests.support.ports import free_port, free_port_range
 
 ROUTER = shutil.which("vllm-router") or str(
@@ -123,18 +123,16 @@ def router(
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def healthy() -> bool:
             if process.poll() is not None:
                 pytest.fail(f"vllm-router exited: {(model_dir / 'router.log').read_text()}")
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vllm-router did not become healthy in 30 s")
-            time.sleep(0.2)
+                return False
+
+        wait_until(healthy, 30, "vllm-router healthy")
         yield RouterProcess(base, model_dir / "router.log")
     finally:
         process.terminate()
@@ -224,10 +222,11 @@ def test_repeated_prompt_follows_the_kv_events(
     pin(mock, target, prompt)
     assert mock.stats(target).kv_batches_published > published
     published = mock.stats(target).kv_batches_published
-    deadline = time.monotonic() + 10
-    while router.applied(target) < published:
-        assert time.monotonic() < deadline, "vllm-router never applied the BlockStored events"
-        time.sleep(0.01)
+    wait_until(
+        lambda: router.applied(target) >= published,
+        10,
+        lambda: f"vllm-router applied {router.applied(target)} of {published} batches",
+    )
 
     for _ in range(3):
         cached = mock.stats(target).cached_tokens

@@ -24,6 +24,7 @@ from rankgate.sidecar.types import (
     StoppingParams,
 )
 from tests.routing.publisher import TestPublisher
+from tests.support.polling import until
 
 BLOCK = 4
 # The rigs' routers weigh one thing at a time; the share term has tests of its own.
@@ -73,14 +74,6 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
-async def until(condition: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
 class EventRig:
     """A started ``kv`` router subscribed to one test publisher per rank.
 
@@ -107,7 +100,11 @@ class EventRig:
         )
 
     async def settle(self, rank: int, batches: float) -> None:
-        await until(lambda: self.applied(rank) >= batches)
+        await until(
+            lambda: self.applied(rank) >= batches,
+            5,
+            lambda: f"{self.applied(rank)} batches applied on rank {rank}",
+        )
 
     def route(self, tokens: Sequence[int], **fields: Any) -> tuple[int | None, int]:
         """Route and finish at once, so load never skews the prefix decision under test."""

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
+from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -157,16 +158,17 @@ class TestPublisher:
         self.pub.close(linger=0)
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        for _ in range(100):
-            try:
-                self.pub.bind(self.endpoint)
-                break
-            except zmq.ZMQError:
-                time.sleep(0.02)
-        else:
-            raise RuntimeError(f"could not bind {self.endpoint} again")
+        # ZMQ releases the closed socket's port in the background.
+        wait_until(self._bound, 2, f"{self.endpoint} free to bind again")
         self.seq = 0
         self.wait_subscribed(timeout=10.0)
+
+    def _bound(self) -> bool:
+        try:
+            self.pub.bind(self.endpoint)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         self.pub.send_multipart(list(frames))

@@ -9,7 +9,6 @@ import asyncio
 import os
 import random
 import socket
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -26,10 +25,11 @@ from rankgate.sidecar.types import KvEventSource
 from tests.app.serving import serve_app
 from tests.app.test_route_header import route_of, served_on
 from tests.conftest import TINY_TOKENIZER
-from tests.routing.conftest import BLOCK, engine_info, prepared, sample, until
+from tests.routing.conftest import BLOCK, engine_info, prepared, sample
 from tests.routing.publisher import TestPublisher, encode_batch, stored
 from tests.routing.test_gateway_routing import Rig
 from tests.support.mock_engine import MockEngineHandle, running_mock_engine
+from tests.support.polling import until, wait_until
 from tests.support.ports import free_port, free_port_range
 
 MODEL = "connect-llm"
@@ -65,7 +65,9 @@ async def test_the_intake_binds_a_connecting_publishers_address_once_it_is_free(
         await until(
             lambda: (
                 sample(registry, "rankgate_kv_event_batches_total", rank="0", origin="live") >= 1
-            )
+            ),
+            5,
+            "a live batch counted",
         )
         ticket = router.route(prepared([*tokens, 7]))
         ticket.finished()
@@ -97,7 +99,9 @@ async def test_batches_a_connecting_publisher_sent_before_its_link_was_up_are_re
                 sample(registry, "rankgate_kv_event_batches_total", rank="0", origin="replay") >= 1
                 and sample(registry, "rankgate_kv_event_replays_total", rank="0", outcome="sync")
                 >= 1
-            )
+            ),
+            5,
+            "a replayed batch and its replay counted",
         )
         ticket = router.route(prepared([*tokens, 9]))
         ticket.finished()
@@ -172,7 +176,8 @@ def test_kv_routing_works_with_publishers_that_connect(connect_rig: Rig) -> None
         for origin in ("live", "replay")
     )
     assert delivered >= 1
-    deadline = time.monotonic() + 5
-    while rig.handle.stats(int(first["rank"])).cached_tokens < 20 * MOCK_BLOCK:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(
+        lambda: rig.handle.stats(int(first["rank"])).cached_tokens >= 20 * MOCK_BLOCK,
+        5,
+        lambda: f"{rig.handle.stats(int(first['rank'])).cached_tokens} tokens cached",
+    )

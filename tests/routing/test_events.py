@@ -11,8 +11,10 @@ import pytest
 
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeSettings
-from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample, until
+from rankgate.sidecar.routing.policies.kv import KvRouter
+from tests.routing.conftest import BLOCK, EventRig, RigFactory, sample
 from tests.routing.publisher import cleared, removed, stored
+from tests.support.polling import until
 
 # No bridging predictions: each probe sees exactly what the events announced.
 PROBE = RoutingConfig(share_weight=0, pending_ttl=0)
@@ -283,14 +285,22 @@ async def test_an_idle_intake_sleeps_until_it_is_stopped(event_rig: RigFactory) 
     rig = await event_rig(
         config=RoutingConfig(share_weight=0, pending_ttl=0, intake=IntakeSettings(coalesce=0))
     )
+
+    def turns() -> float:
+        return sample(rig.registry, "rankgate_kv_event_turns_total")
+
     rig.publishers[0].publish([stored([301], blocks(P, 0, 1), block_size=BLOCK)])
     await rig.settle(0, 1)
-    woken = sample(rig.registry, "rankgate_kv_event_turns_total")
-    await asyncio.sleep(0.6)
-    assert sample(rig.registry, "rankgate_kv_event_turns_total") == woken
+    await until(lambda: turns() == 1, 5, lambda: f"{turns()} turns for one batch")
+    # No deadline is due, so the thread's next poll has no timeout: only a batch or the close
+    # can end it.
+    router = rig.intake_router
+    assert isinstance(router, KvRouter)
+    assert router.view.intake is not None
+    assert router.view.intake._poll_timeout_ms() is None
     rig.publishers[1].publish([stored([302], blocks(P, 0, 1), block_size=BLOCK)])
     await rig.settle(1, 1)
-    assert sample(rig.registry, "rankgate_kv_event_turns_total") == woken + 1
+    await until(lambda: turns() == 2, 5, lambda: f"{turns()} turns for two batches")
 
     started = time.monotonic()
     await rig.intake_router.close()
@@ -350,7 +360,11 @@ async def test_no_batch_stops_the_intake(event_rig: RigFactory) -> None:
     rank0.publish([stored([201, 202, 203, 204], P, block_size=BLOCK)])
     # Hostile batches in a well-formed envelope count as applied too: the applied count cannot
     # tell when the good one is in, the route can.
-    await until(lambda: rig.route(P + TAIL) == (0, 16))
+    await until(
+        lambda: rig.route(P + TAIL) == (0, 16),
+        5,
+        lambda: f"routed to {rig.route(P + TAIL)}",
+    )
     registry = rig.registry
     rejected = sum(
         sample(registry, "rankgate_kv_event_rejected_total", rank="0", reason=reason)
@@ -382,13 +396,25 @@ async def test_an_intake_that_fails_anyway_restarts_with_its_view_purged(
     monkeypatch.setattr(intake, "_drain_live", failing)
     rank0.publish([stored([215], list(range(7000, 7016)), block_size=BLOCK)])
     registry = rig.registry
-    await until(lambda: sample(registry, "rankgate_kv_intake_restarts_total") == 1)
+    await until(
+        lambda: sample(registry, "rankgate_kv_intake_restarts_total") == 1,
+        5,
+        "the intake restarted once",
+    )
     # Events may have been lost while it was down: the rank's view is not trusted.
     assert sample(registry, "rankgate_kv_event_purges_total", rank="0", reason="intake_restart")
     assert rig.route(P + TAIL)[1] == 0
-    await until(lambda: sample(registry, "rankgate_kv_intake_up") == 1)
+    await until(
+        lambda: sample(registry, "rankgate_kv_intake_up") == 1,
+        5,
+        "the intake up again",
+    )
     # Serving again: a restarted publisher's events are taken in as before.
     await asyncio.to_thread(rank0.rebind)
     rank0.publish([stored([216, 217, 218, 219], P, block_size=BLOCK)])
-    await until(lambda: rig.route(P + TAIL) == (0, 16))
+    await until(
+        lambda: rig.route(P + TAIL) == (0, 16),
+        5,
+        lambda: f"routed to {rig.route(P + TAIL)}",
+    )
     assert intake.running

@@ -6,8 +6,8 @@ ids) routes that rank by load alone, shown on ``/metrics``, until its events are
 
 from __future__ import annotations
 
+import itertools
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +20,7 @@ from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.metrics import metric_total
 from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
+from tests.support.polling import wait_until
 
 MODEL = "regret-llm"
 DP = 2
@@ -58,10 +59,14 @@ class Rig:
     def until(self, condition: Callable[[], bool], rank: int, what: str) -> None:
         """Send fresh prompts to ``rank`` until ``condition`` holds: each request is a routing
         decision, which is when the router scores the requests whose events are due."""
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, what
+
+        def decided() -> bool:
+            if condition():
+                return True
             self.chat(fresh(), rank)
+            return False
+
+        wait_until(decided, 30, what)
 
 
 def fresh() -> str:
@@ -113,11 +118,10 @@ def test_on_a_consistent_engine_every_prediction_comes_true(rig: Rig) -> None:
             rig.chat(history)
         return rig.metric(measured) >= before[measured] + 18 and rig.metric(hits) > before[hits]
 
-    deadline = time.monotonic() + 30
-    n = 0
-    while not conversation(n):
-        assert time.monotonic() < deadline, "no turn with a predicted hit was measured"
-        n += 1
+    conversations = itertools.count()
+    wait_until(
+        lambda: conversation(next(conversations)), 30, "a turn with a predicted hit measured"
+    )
     predicted = rig.metric("rankgate_routing_predicted_hit_tokens_total")
     realised = rig.metric("rankgate_routing_realised_hit_tokens_total")
     assert predicted - before["rankgate_routing_predicted_hit_tokens_total"] > 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.engines import EngineUnderTest
 from tests.support.metrics import metric_total
 from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
+from tests.support.polling import wait_until
 
 MODEL = "routing-llm"
 DP = 2
@@ -59,11 +59,11 @@ class Rig:
         return metric_total(self.http, name, **labels)
 
     def wait_metric(self, name: str, at_least: float, within: float = 10.0, **labels: str) -> None:
-        deadline = time.monotonic() + within
-        while self.metric(name, **labels) < at_least:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{name}{labels} stayed below {at_least}")
-            time.sleep(0.02)
+        wait_until(
+            lambda: self.metric(name, **labels) >= at_least,
+            within,
+            lambda: f"{name}{labels} at {self.metric(name, **labels)}, below {at_least}",
+        )
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,6 @@ re-hashed by the router, can draw the later requests there.
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +18,7 @@ from rankgate.sidecar.routing.policies import KvRouter, build_router
 from rankgate.sidecar.types import PreparedRequest, SamplingParams, StoppingParams
 from tests.conformance.helpers import fresh_prompt
 from tests.support.engines import EngineUnderTest
+from tests.support.polling import until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -62,12 +60,15 @@ async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderT
         assert len(keys) == PREFIX_BLOCKS
 
         await _complete(sidecar, _request(prefix + tails[0], "warm", rank=1))
-        deadline = time.monotonic() + 60.0
-        while (
-            router.view.events is None or router.view.events.match(keys).device[1] < PREFIX_BLOCKS
-        ):
-            assert time.monotonic() < deadline, "rank 1 never announced the prefix"
-            await asyncio.sleep(0.05)
+        await until(
+            lambda: (
+                router.view.events is not None
+                and router.view.events.match(keys).device[1] >= PREFIX_BLOCKS
+            ),
+            60.0,
+            "rank 1 announces the prefix",
+        )
+        assert router.view.events is not None
 
         before = registry.get_sample_value(
             "rankgate_routing_requests_total", {"policy": "kv", "rank": "1"}
@@ -99,11 +100,12 @@ async def test_shared_prefix_follows_the_announcing_rank(real_vllm: EngineUnderT
 
         regret = router.regret
         assert regret is not None
-        deadline = time.monotonic() + 60.0
-        while rank1("rankgate_routing_measured_requests_total") < len(tails):
-            assert time.monotonic() < deadline, "the followers' predictions were never checked"
+
+        def measured() -> bool:
             regret.settle()
-            await asyncio.sleep(0.05)
+            return rank1("rankgate_routing_measured_requests_total") >= len(tails)
+
+        await until(measured, 60.0, "the followers' predictions checked")
         predicted = rank1("rankgate_routing_predicted_hit_tokens_total")
         assert predicted == len(tails[1:]) * PREFIX_BLOCKS * block
         assert rank1("rankgate_routing_realised_hit_tokens_total") == predicted

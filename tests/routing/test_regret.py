@@ -5,8 +5,8 @@ to its recovery. The meter on its own clock here; through the gateway and the mo
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import pytest
@@ -319,7 +319,10 @@ async def test_the_intake_tells_the_meter_of_evictions(
     """Through the KV-event intake: a prompt the rank held when it was routed, evicted and
     computed again before its prefill, three times in a row, leaves the rank trusted; the same
     without the removals distrusts it."""
-    rig = await event_rig(config=RoutingConfig(share_weight=0, regret_settle=0.05))
+    now = [time.monotonic()]
+    rig = await event_rig(
+        config=RoutingConfig(share_weight=0, regret_settle=0.05), clock=lambda: now[0]
+    )
     router = rig.intake_router
     meter = router.regret
     assert meter is not None
@@ -344,6 +347,6 @@ async def test_the_intake_tells_the_meter_of_evictions(
         await rig.settle(0, batches)
         ticket.first_token()
         ticket.finished()
-        await asyncio.sleep(0.1)
+        now[0] += 0.1  # past the settle window
         meter.settle()
     assert meter.trusted(0) is evicted

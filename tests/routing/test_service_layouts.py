@@ -6,7 +6,6 @@ prefill/decode work through the gateway against either."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -24,6 +23,7 @@ from rankgate.wire.proto.vllm import control_pb2, control_pb2_grpc, kv_transfer_
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.mock_engine import MockEngineHandle, kv_mock_config, running_mock_engine
+from tests.support.polling import wait_until
 
 MODEL = "layout-llm"
 DP = 2
@@ -87,12 +87,17 @@ def test_the_gateway_routes_on_kv_events_under_either_layout(engine: MockEngineH
     with serve("--engine", engine.target) as url, httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/ready").status_code == 200
         chat(http, text, rank=1)
-        deadline = time.monotonic() + 10
-        while True:
-            route = chat(http, text).headers["x-rankgate-route"]
-            if route.startswith("rank=1;") and "cached=0/" not in route:
-                break
-            assert time.monotonic() < deadline, f"never routed on rank 1's KV events: {route}"
+        routes: list[str] = []
+
+        def routed_on_rank_1s_events() -> bool:
+            routes.append(chat(http, text).headers["x-rankgate-route"])
+            return routes[-1].startswith("rank=1;") and "cached=0/" not in routes[-1]
+
+        wait_until(
+            routed_on_rank_1s_events,
+            10,
+            lambda: f"never routed on rank 1's KV events: {routes[-1]}",
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

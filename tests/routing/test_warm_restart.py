@@ -6,7 +6,6 @@ buffer that has rolled past the engine's early events leaves the new gateway bli
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from tests.support.mock_engine import (
     kv_mock_config,
     running_mock_engine,
 )
+from tests.support.polling import wait_until
 
 MODEL = "restart-llm"
 DP = 2
@@ -84,10 +84,11 @@ def indexed(http: httpx.Client, rank: int) -> float:
 
 
 def wait_indexed(http: httpx.Client, rank: int, blocks: float) -> None:
-    deadline = time.monotonic() + 10
-    while indexed(http, rank) < blocks:
-        assert time.monotonic() < deadline, f"rank {rank} never indexed {blocks} blocks"
-        time.sleep(0.02)
+    wait_until(
+        lambda: indexed(http, rank) >= blocks,
+        10,
+        lambda: f"rank {rank} indexed {indexed(http, rank)} of {blocks} blocks",
+    )
 
 
 def test_a_restarted_gateway_routes_on_the_caches_at_once(
@@ -109,12 +110,13 @@ def test_a_restarted_gateway_routes_on_the_caches_at_once(
     with gateway(mock, "--route-index-file", saved) as url, httpx.Client(base_url=url) as http:
         assert route(http, early) == (1, len(early))
         # The replay from where the saved index ends is asked for as the gateway starts.
-        deadline = time.monotonic() + 10
-        while (
-            metric_total(http, "rankgate_kv_event_replays_total", outcome="complete", rank="0") < 1
-        ):
-            assert time.monotonic() < deadline, "the batch published meanwhile was not replayed"
-            time.sleep(0.02)
+        wait_until(
+            lambda: metric_total(
+                http, "rankgate_kv_event_replays_total", outcome="complete", rank="0"
+            ),
+            10,
+            "the batch published meanwhile replayed",
+        )
         assert route(http, meanwhile) == (0, len(meanwhile))
 
     # The same restart without the file: the early prompt is lost to the rolled buffer.

@@ -28,6 +28,9 @@ from rankgate.wire.proto.vllm import (
 Stream = Callable[[Any, Any], AsyncIterator[Any]]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The time a test's own endless stream takes per token, so it paces like an engine instead of
+# flooding the sidecar.
+TOKEN_STEP_S = 0.01
 
 
 def model_info(**overrides: Any) -> Any:
@@ -246,15 +249,10 @@ def request(request_id: str = "r", **overrides: Any) -> PreparedRequest:
     return PreparedRequest(**fields)
 
 
+async def token_step() -> None:
+    """One decode step of a stream a test writes: the latency a real engine has per token."""
+    await asyncio.sleep(TOKEN_STEP_S)
+
+
 async def collect(stream: AsyncIterator[Delta]) -> list[Delta]:
     return [delta async for delta in stream]
-
-
-async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    """Wait until ``predicate()`` holds; fail loudly when it never does."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)

@@ -4,6 +4,7 @@ cancellation and the per-rank in-flight view."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +23,9 @@ from rankgate.sidecar.streams import UNPINNED_RANK
 from rankgate.sidecar.types import SamplingParams, StoppingParams
 from rankgate.wire.proto.vllm import inference_pb2
 from tests.sidecar.conftest import StartSidecar
-from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
+from tests.sidecar.fake_vllm import FakeServer, collect, request, token_step
 from tests.sidecar.routers import FixedRouter
+from tests.support.polling import until
 
 
 async def test_single_choice_stream(fake: FakeServer, start_sidecar: StartSidecar) -> None:
@@ -188,19 +190,25 @@ async def test_one_failing_choice_fails_the_request_and_drops_the_others(
     async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
         if request.request_id.endswith("-1"):
             # Fail only once the other choices run, so that dropping them is observable.
-            await eventually(lambda: len(fake.fake.active) == 3)
+            await until(
+                lambda: len(fake.fake.active) == 3,
+                10,
+                lambda: f"active: {sorted(fake.fake.active)}",
+            )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad choice")
         while True:
             yield inference_pb2.GenerateResponse(
                 outputs=inference_pb2.SequenceOutput(text="x", token_ids=[1])
             )
-            await asyncio.sleep(0.01)
+            await token_step()
 
     fake.fake.stream = stream
     sidecar = await start_sidecar()
     with pytest.raises(InvalidRequest, match="bad choice"):
         await collect(sidecar.generate(request(n=3)))
-    await eventually(lambda: not fake.fake.active)
+    await until(
+        lambda: not fake.fake.active, 10, lambda: f"still active: {sorted(fake.fake.active)}"
+    )
     assert sorted(fake.fake.dropped) == ["r-0", "r-2"]
     assert sidecar.in_flight() == {0: 0, 1: 0}
 
@@ -217,7 +225,11 @@ async def test_closing_the_stream_drops_every_call(
     assert sidecar.in_flight()[0] == 2
     await stream.aclose()
     assert sidecar.in_flight() == {0: 0, 1: 0}
-    await eventually(lambda: sorted(fake.fake.dropped) == ["c-0", "c-1"])
+    await until(
+        lambda: sorted(fake.fake.dropped) == ["c-0", "c-1"],
+        10,
+        lambda: f"dropped: {fake.fake.dropped}",
+    )
     assert not fake.fake.active
     assert all(t.finishes == 1 for t in router.tickets)
 
@@ -233,12 +245,18 @@ async def test_cancelling_the_consumer_drops_the_call(
             pass
 
     task = asyncio.ensure_future(consume())
-    await eventually(lambda: "k-0" in fake.fake.active)
+    await until(
+        lambda: "k-0" in fake.fake.active, 10, lambda: f"active: {sorted(fake.fake.active)}"
+    )
     assert sidecar.in_flight()[UNPINNED_RANK] == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await eventually(lambda: fake.fake.dropped == ["k-0"])
+    await until(
+        lambda: fake.fake.dropped == ["k-0"],
+        10,
+        lambda: f"dropped: {fake.fake.dropped}",
+    )
     assert sidecar.in_flight() == {0: 0, 1: 0}
 
 
@@ -255,7 +273,9 @@ async def test_close_preempts_in_flight_streams(
     with pytest.raises(EngineUnavailable, match="shutting down"):
         await reading
     assert not sidecar.ready
-    await eventually(lambda: not fake.fake.active)
+    await until(
+        lambda: not fake.fake.active, 10, lambda: f"still active: {sorted(fake.fake.active)}"
+    )
 
 
 async def test_decode_handoff_is_read_until_its_first_token(
@@ -272,51 +292,75 @@ async def test_decode_handoff_is_read_until_its_first_token(
             yield inference_pb2.GenerateResponse(
                 outputs=inference_pb2.SequenceOutput(text="x", token_ids=[1])
             )
-            await asyncio.sleep(0.01)
+            await token_step()
 
     fake.fake.stream = slow_first_token
     router = FixedRouter(rank=1)
     sidecar = await start_sidecar(router)
     handoff = request("d", kv_transfer_params={"do_remote_prefill": True, "remote_port": 1})
     task = asyncio.ensure_future(collect(sidecar.generate(handoff)))
-    await eventually(lambda: "d-0" in fake.fake.active)
+    await until(
+        lambda: "d-0" in fake.fake.active, 10, lambda: f"active: {sorted(fake.fake.active)}"
+    )
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.2)
+    # A later request through the same channel finishes, so a drop sent at the cancel would
+    # have reached the engine before it.
+    fake.fake.stream = None
+    assert (await collect(sidecar.generate(request("e"))))[-1].finish_reason == "length"
     # Still attached: dropping it now could strand the transferred KV.
     assert "d-0" in fake.fake.active
     assert sidecar.in_flight()[1] == 1
     release.set()
-    await eventually(lambda: fake.fake.dropped == ["d-0"])
-    await eventually(lambda: sidecar.in_flight() == {0: 0, 1: 0})
+    await until(
+        lambda: fake.fake.dropped == ["d-0"],
+        10,
+        lambda: f"dropped: {fake.fake.dropped}",
+    )
+    await until(
+        lambda: sidecar.in_flight() == {0: 0, 1: 0},
+        10,
+        lambda: f"in flight: {sidecar.in_flight()}",
+    )
     assert router.tickets[0].finishes == 1
     assert fake.fake.aborts == []
 
 
 async def test_stuck_decode_handoff_is_dropped_at_its_timeout(
-    fake: FakeServer, start_sidecar: StartSidecar
+    fake: FakeServer, start_sidecar: StartSidecar, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.fake.token_delay = 30.0  # the first token never comes by itself
     sidecar = await start_sidecar(decode_handoff_timeout=0.3)
     handoff = request("h", kv_transfer_params={"do_remote_prefill": True})
     stream = sidecar.generate(handoff)
     reading = asyncio.ensure_future(anext(stream))
-    await eventually(lambda: "h-0" in fake.fake.active)
+    await until(
+        lambda: "h-0" in fake.fake.active, 10, lambda: f"active: {sorted(fake.fake.active)}"
+    )
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
-    await stream.aclose()
-    loop = asyncio.get_running_loop()
-    left = loop.time()
-    await asyncio.sleep(0.15)
-    assert "h-0" in fake.fake.active
-    await eventually(lambda: not fake.fake.active)
-    assert 0.25 <= loop.time() - left < 2.0
+    with caplog.at_level(logging.WARNING, logger="rankgate.sidecar"):
+        await stream.aclose()
+        # A later request through the same channel finishes (the first token of h-0 is still
+        # 30 s away), so a drop sent at the close would have reached the engine before it.
+        fake.fake.token_delay = 0.0
+        assert (await collect(sidecar.generate(request("p"))))[-1].finish_reason == "length"
+        assert "h-0" in fake.fake.active
+        await until(
+            lambda: not fake.fake.active, 10, lambda: f"still active: {sorted(fake.fake.active)}"
+        )
+    # The hand-off timeout dropped it, not the close.
+    assert "decode request h-0 had no first token 0.3 s after its client left" in caplog.text
     # Dropped, never aborted through Control: a dropped stream is the whole contract.
     assert fake.fake.aborts == []
     assert fake.fake.dropped == ["h-0"]
-    await eventually(lambda: sidecar.in_flight() == {0: 0, 1: 0})
+    await until(
+        lambda: sidecar.in_flight() == {0: 0, 1: 0},
+        10,
+        lambda: f"in flight: {sidecar.in_flight()}",
+    )
 
 
 async def test_abort_expands_a_gateway_request_id(

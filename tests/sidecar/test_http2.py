@@ -37,9 +37,14 @@ from rankgate.wire.grpc_frame import grpc_message
 from rankgate.wire.h2 import frames
 from rankgate.wire.h2.headers import HeaderDecoder
 from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
+from tests.sidecar.fake_vllm import token_step
+from tests.support.polling import until
 from tests.support.ports import free_port
 
 MAX_MESSAGE = 64 << 20
+# The scripted peer reads the client's frames only between its replies: wait as long as a
+# loaded machine takes, and fail with a clear message well before the test's timeout.
+PEER_READS_S = 60
 
 
 def _request(request_id: str = "r", prompt: int = 4, tokens: int = 3) -> Any:
@@ -56,6 +61,8 @@ class _Echo(inference_pb2_grpc.InferenceServicer):
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
+        # The request id of each call that reached a handler, in order.
+        self.received: list[str] = []
         self.gate = asyncio.Event()
         self.gate.set()
 
@@ -78,7 +85,7 @@ class _Echo(inference_pb2_grpc.InferenceServicer):
             )
             for i in range(request.stopping.max_new_tokens):
                 if request.request_id.startswith("slow"):
-                    await asyncio.sleep(0.01)
+                    await token_step()
                 yield inference_pb2.GenerateResponse(
                     outputs=inference_pb2.SequenceOutput(text=f"t{i}", token_ids=[i])
                 )
@@ -91,6 +98,7 @@ class _Echo(inference_pb2_grpc.InferenceServicer):
             raise
 
     async def _check(self, request: Any, context: Any) -> None:
+        self.received.append(request.request_id)
         if request.request_id == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad: 100% wrong\nreally ✗")
         if request.request_id == "busy":
@@ -207,7 +215,7 @@ async def test_cancel_reaches_the_server_and_the_reader() -> None:
             await reader
         assert call.cancelled()
         assert not call.cancel()
-        await _eventually(lambda: bool(server.echo.cancelled))
+        await until(lambda: server.echo.cancelled, PEER_READS_S, "the cancel reaches the engine")
         assert server.echo.cancelled == ["slow-cancel"]
         # The connection stays usable.
         assert (await client.Generate(_request(tokens=2))).outputs.text == "xx"
@@ -218,7 +226,7 @@ async def test_a_cancelled_unary_call_raises_cancelled() -> None:
         server.echo.gate.clear()
         call = client.Generate(_request())
         waiter = asyncio.ensure_future(call)
-        await asyncio.sleep(0.05)
+        await until(lambda: server.echo.received == ["r"], 10, "the call reaches the engine")
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -276,11 +284,15 @@ class _Peer:
         self.script = script
         self.encoder = hpack.Encoder()
         self.received: Frames = []
+        self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.connections = 0
+        # The request id of each request the script was run for, in order.
+        self.requests: list[str] = []
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.reader = reader
         self.writer = writer
         self.encoder = hpack.Encoder()
         bodies: dict[int, bytes] = {}
@@ -288,14 +300,12 @@ class _Peer:
             assert await reader.readexactly(24) == frames.PREFACE
             writer.write(frames.frame(frames.SETTINGS, 0, 0))
             while True:
-                head = await reader.readexactly(9)
-                hi, lo, kind, flags, stream_id = _HEAD.unpack(head)
-                payload = await reader.readexactly((hi << 8) | lo)
-                self.received.append((kind, flags, stream_id, payload))
+                kind, flags, stream_id, payload = await self._read_frame()
                 if kind == frames.DATA:
                     body = bodies.pop(stream_id, b"") + payload
                     if flags & frames.END_STREAM:
                         request = inference_pb2.GenerateRequest.FromString(body[5:])
+                        self.requests.append(request.request_id)
                         await self.script(self, stream_id, request.request_id)
                     else:
                         bodies[stream_id] = body
@@ -304,6 +314,24 @@ class _Peer:
             pass
         finally:
             writer.close()
+
+    async def _read_frame(self) -> tuple[int, int, int, bytes]:
+        assert self.reader is not None
+        hi, lo, kind, flags, stream_id = _HEAD.unpack(await self.reader.readexactly(9))
+        frame = (kind, flags, stream_id, await self.reader.readexactly((hi << 8) | lo))
+        self.received.append(frame)
+        return frame
+
+    async def round_trip(self) -> None:
+        """Send a PING and read until its ACK: the client has then handled every frame sent
+        before it, and its reader has woken whoever waits on them."""
+        assert self.writer is not None
+        self.send(frames.PING, 0, 0, _PROBE)
+        await self.writer.drain()
+        while True:
+            kind, _, _, payload = await self._read_frame()
+            if kind == frames.PING and payload == _PROBE:
+                return
 
     def send(self, kind: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
         assert self.writer is not None
@@ -326,6 +354,7 @@ class _Peer:
 
 
 _OK = [(":status", "200"), ("content-type", "application/grpc")]
+_PROBE = b"probe!!!"
 _TOKEN = inference_pb2.GenerateResponse(
     outputs=inference_pb2.SequenceOutput(text="tok", token_ids=[7])
 ).SerializeToString()
@@ -524,9 +553,8 @@ async def test_a_unary_reply_is_settled_by_trailers_that_come_after_it() -> None
         assert peer.writer is not None
         peer.send(frames.HEADERS, frames.END_HEADERS, sid, peer.headers(_OK))
         peer.send(frames.DATA, 0, sid, grpc_message(_TOKEN))
-        await peer.writer.drain()
         # Past the client's read of the reply, so the trailers arrive in a read of their own.
-        await asyncio.sleep(0.05)
+        await peer.round_trip()
         if rid == "then-another":
             peer.send(frames.DATA, 0, sid, grpc_message(_TOKEN))
         status = "13" if rid == "then-error" else "0"
@@ -569,9 +597,7 @@ async def test_replies_outside_the_contract_are_bad_engine_responses() -> None:
             await client.Generate(_request("garbage"))
         assert (await _code_of(client.GenerateStream(_request("calm"))))[0] is EngineOverloaded
         # We told the peer to stop streams 1 to 7 (CANCEL), never 9 (reset by the peer).
-        await _eventually(
-            lambda: sum(1 for frame in peer.received if frame[0] == frames.RST_STREAM) >= 4
-        )
+        await until(lambda: len(_resets(peer)) >= 4, PEER_READS_S, lambda: f"{_resets(peer)}")
         resets = [sid for kind, _, sid, _ in peer.received if kind == frames.RST_STREAM]
         assert resets == [1, 3, 5, 7]
 
@@ -605,7 +631,7 @@ async def test_goaway_moves_untaken_streams_to_a_new_connection() -> None:
 
     async with _peer(script) as (peer, client):
         first = client.GenerateStream(_request("first"))
-        await asyncio.sleep(0.05)
+        await until(lambda: peer.requests == ["first"], 10, lambda: f"requests: {peer.requests}")
         second = client.GenerateStream(_request("second"))
         assert _tokens(await _all(second)) == [7, 7]
         assert _tokens(await _all(first)) == [7]
@@ -621,11 +647,22 @@ async def test_pings_are_answered_and_settings_acknowledged() -> None:
 
     async with _peer(script) as (peer, client):
         await _all(client.GenerateStream(_request()))
-        await asyncio.sleep(0.05)
-    pings = [(flags, payload) for kind, flags, _, payload in peer.received if kind == frames.PING]
-    assert pings == [(frames.ACK, b"12345678")]
-    acks = [flags for kind, flags, _, _ in peer.received if kind == frames.SETTINGS]
-    assert frames.ACK in acks
+        # The answers were sent before the reply was read; the peer reads them after it.
+        await until(lambda: len(_pings(peer)) + len(_settings_acks(peer)) >= 2, 10, "the answers")
+    assert _pings(peer) == [(frames.ACK, b"12345678")]
+    assert _settings_acks(peer)
+
+
+def _pings(peer: _Peer) -> list[tuple[int, bytes]]:
+    return [(flags, payload) for kind, flags, _, payload in peer.received if kind == frames.PING]
+
+
+def _settings_acks(peer: _Peer) -> list[int]:
+    return [
+        flags
+        for kind, flags, _, _ in peer.received
+        if kind == frames.SETTINGS and flags & frames.ACK
+    ]
 
 
 async def test_a_silent_peer_is_dropped_by_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -689,15 +726,6 @@ def _resets(peer: _Peer) -> list[tuple[int, int]]:
     ]
 
 
-async def _eventually(check: Callable[[], bool], within: float = 60.0) -> None:
-    """The scripted peer reads the client's frames only between its replies: wait as long as
-    a loaded machine takes, and fail with a clear message well before the test's timeout."""
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"not true within {within} s"
-        await asyncio.sleep(0.01)
-
-
 async def _refused_with(script: Script, code: frames.ErrorCode, words: str) -> _Peer:
     """Run one call against ``script``: it must fail with an EngineFailure naming ``words``
     and the client must end the connection with GOAWAY(``code``); the next call gets a new
@@ -706,7 +734,7 @@ async def _refused_with(script: Script, code: frames.ErrorCode, words: str) -> _
         with pytest.raises(EngineFailure, match=words) as caught:
             await _all(client.GenerateStream(_request()))
         assert code.name in caught.value.message
-        await _eventually(lambda: bool(_goaways(peer)))
+        await until(lambda: _goaways(peer), PEER_READS_S, "a GOAWAY from the client")
         assert _goaways(peer) == [code]
         return peer
 
@@ -766,13 +794,13 @@ async def test_a_window_update_of_zero_is_refused() -> None:
     async with _peer(script) as (peer, client):
         with pytest.raises(EngineFailure, match=r"PROTOCOL_ERROR.*WINDOW_UPDATE of 0"):
             await _all(client.GenerateStream(_request("stream")))
-        await _eventually(lambda: bool(_resets(peer)))
+        await until(lambda: _resets(peer), PEER_READS_S, "a RST_STREAM from the client")
         assert _resets(peer) == [(1, frames.ErrorCode.PROTOCOL_ERROR)]
         assert _tokens(await _all(client.GenerateStream(_request("fine")))) == [7]
         assert peer.connections == 1
         with pytest.raises(EngineFailure, match="WINDOW_UPDATE of 0 on the connection"):
             await _all(client.GenerateStream(_request("connection")))
-        await _eventually(lambda: bool(_goaways(peer)))
+        await until(lambda: _goaways(peer), PEER_READS_S, "a GOAWAY from the client")
         assert _goaways(peer) == [frames.ErrorCode.PROTOCOL_ERROR]
 
 
@@ -789,12 +817,12 @@ async def test_a_send_window_past_2_to_the_31_minus_1_is_refused() -> None:
     async with _peer(script) as (peer, client):
         with pytest.raises(EngineFailure, match=r"FLOW_CONTROL_ERROR.*stream window above"):
             await _all(client.GenerateStream(_request("stream")))
-        await _eventually(lambda: bool(_resets(peer)))
+        await until(lambda: _resets(peer), PEER_READS_S, "a RST_STREAM from the client")
         assert _resets(peer) == [(1, frames.ErrorCode.FLOW_CONTROL_ERROR)]
         assert _tokens(await _all(client.GenerateStream(_request("fine")))) == [7]
         with pytest.raises(EngineFailure, match="connection window above"):
             await _all(client.GenerateStream(_request("connection")))
-        await _eventually(lambda: bool(_goaways(peer)))
+        await until(lambda: _goaways(peer), PEER_READS_S, "a GOAWAY from the client")
         assert _goaways(peer) == [frames.ErrorCode.FLOW_CONTROL_ERROR]
 
 
@@ -827,6 +855,6 @@ async def test_stream_ids_past_2_to_the_31_minus_1_take_a_new_connection() -> No
         for _ in range(3):
             assert _tokens(await _all(client.GenerateStream(_request()))) == [7]
         assert ids == [(1, 1), (1, frames.MAX_STREAM_ID - 2), (1, frames.MAX_STREAM_ID), (2, 1)]
-        await _eventually(lambda: bool(_goaways(peer)))
+        await until(lambda: _goaways(peer), PEER_READS_S, "a GOAWAY from the client")
         assert _goaways(peer) == [frames.ErrorCode.NO_ERROR]
         assert conn.transport is None or conn.transport.is_closing()

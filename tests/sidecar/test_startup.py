@@ -23,11 +23,11 @@ from tests.sidecar.fake_vllm import (
     SERVING,
     FakeServer,
     FakeVllm,
-    eventually,
     model_info,
     server_info,
 )
 from tests.sidecar.routers import FixedRouter
+from tests.support.polling import until
 from tests.support.ports import free_port
 
 
@@ -73,7 +73,11 @@ async def test_start_waits_for_control_then_inference(
     async def asked_again() -> None:
         """Until the sidecar has checked health twice more, each time finding it not ready."""
         asked = fake.fake.health_checks
-        await eventually(lambda: fake.fake.health_checks >= asked + 2)
+        await until(
+            lambda: fake.fake.health_checks >= asked + 2,
+            10,
+            lambda: f"{fake.fake.health_checks} health checks",
+        )
 
     await asked_again()
     assert not starting.done()
@@ -87,15 +91,22 @@ async def test_start_waits_for_control_then_inference(
     assert fake.fake.health_checks > checks_before
 
 
-async def test_start_waits_for_a_server_that_is_not_listening_yet() -> None:
+async def test_start_waits_for_a_server_that_is_not_listening_yet(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     port = free_port()
     server = FakeServer(FakeVllm())
     sidecar = Sidecar(
         SidecarConfig(endpoint=f"127.0.0.1:{port}", retry_interval=0.05, startup_timeout=10),
         FixedRouter(),
     )
+    caplog.set_level(logging.DEBUG, logger="rankgate.sidecar.health")
     starting = asyncio.ensure_future(sidecar.start())
-    await asyncio.sleep(0.5)
+
+    def refused() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "waiting for vLLM" in r.getMessage()]
+
+    await until(lambda: len(refused()) >= 3, 10, lambda: f"retries logged: {refused()}")
     assert not starting.done()
     await server.start(port)
     try:

@@ -23,9 +23,10 @@ from rankgate.sidecar.types import OutputOptions, SamplingParams, StoppingParams
 from rankgate.wire.proto.vllm import inference_pb2
 from tests.sidecar import fake_vllm
 from tests.sidecar.conftest import StartSidecar
-from tests.sidecar.fake_vllm import FakeServer, collect, eventually, request
+from tests.sidecar.fake_vllm import FakeServer, collect, request
 from tests.sidecar.routers import FixedRouter
 from tests.sidecar.test_with_mocker import leaks, mock_engine, sidecar_on
+from tests.support.polling import until
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -124,7 +125,11 @@ async def test_a_consumer_that_leaves_drops_the_calls(n: int) -> None:
         async with sidecar_on(handle, router) as sidecar:
             stream = sidecar.generate(_long("gone", n=n, stream=False))
             task = asyncio.ensure_future(collect(stream))
-            await eventually(lambda: handle.stats(0).active == n)
+            await until(
+                lambda: handle.stats(0).active == n,
+                10,
+                lambda: f"{handle.stats(0).active} active on rank 0",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -141,7 +146,11 @@ async def test_close_preempts_a_waiting_call_with_a_typed_error() -> None:
     with mock_engine(speed=1.0, max_model_len=8192) as handle:
         async with sidecar_on(handle) as sidecar:
             task = asyncio.ensure_future(collect(sidecar.generate(_long("pre", stream=False))))
-            await eventually(lambda: handle.stats(0).active + handle.stats(1).active == 1)
+            await until(
+                lambda: handle.stats(0).active + handle.stats(1).active == 1,
+                10,
+                lambda: f"active per rank: {handle.active()}",
+            )
             await sidecar.close()
             with pytest.raises(EngineUnavailable, match="shutting down"):
                 await task

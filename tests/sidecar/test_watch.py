@@ -20,12 +20,12 @@ from tests.sidecar.fake_vllm import (
     SERVING,
     FakeServer,
     collect,
-    eventually,
     model_info,
     request,
     server_info,
 )
 from tests.sidecar.routers import FixedRouter
+from tests.support.polling import until
 
 
 async def test_readiness_follows_engine_health(
@@ -33,14 +33,14 @@ async def test_readiness_follows_engine_health(
 ) -> None:
     sidecar = await start_sidecar()
     fake.fake.health["vllm.Inference"] = NOT_SERVING
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     with pytest.raises(EngineUnavailable, match=r"vllm\.Inference is NOT_SERVING") as caught:
         await collect(sidecar.generate(request()))
     assert caught.value.retry_after >= 1.0
     with pytest.raises(EngineUnavailable):
         _ = sidecar.info
     fake.fake.health["vllm.Inference"] = SERVING
-    await eventually(lambda: sidecar.ready)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
     assert len(await collect(sidecar.generate(request()))) == 3
 
 
@@ -49,12 +49,12 @@ async def test_engine_process_gone_and_back(fake: FakeServer, start_sidecar: Sta
     sidecar = await start_sidecar(router)
     port = fake.port
     await fake.stop()
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     with pytest.raises(EngineUnavailable):
         await collect(sidecar.generate(request()))
     fake.fake.server = server_info(instance_id="fake-2")
     await fake.start(port)
-    await eventually(lambda: sidecar.ready)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
     assert sidecar.info.instance_id == "fake-2"
     # A new instance has an empty cache: the router rebuilt its per-rank state.
     assert [info.instance_id for info in router.configured] == ["fake-1", "fake-2"]
@@ -68,10 +68,10 @@ async def test_admission_is_resized_when_a_restart_changes_capacity(
     assert sidecar.admission.limit == {0: 16, 1: 16}
     port = fake.port
     await fake.stop()
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     fake.fake.server = server_info(instance_id="fake-2", max_running_requests=3)
     await fake.start(port)
-    await eventually(lambda: sidecar.ready)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
     assert sidecar.admission.limit == {0: 6, 1: 6}
     assert len(await collect(sidecar.generate(request()))) == 3
     assert sidecar.admission.in_use == 0
@@ -82,18 +82,22 @@ async def test_changed_model_after_restart_is_refused_loudly(
 ) -> None:
     sidecar = await start_sidecar()
     fake.fake.health["vllm.Control"] = NOT_SERVING
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     fake.fake.model = model_info(model_id="org/other")
     with caplog.at_level(logging.ERROR, logger="rankgate.sidecar"):
         fake.fake.health["vllm.Control"] = SERVING
-        await eventually(lambda: "model_id: 'org/fake' -> 'org/other'" in caplog.text)
+        await until(
+            lambda: "model_id: 'org/fake' -> 'org/other'" in caplog.text,
+            10,
+            "the changed model is logged",
+        )
     assert not sidecar.ready
     with pytest.raises(EngineUnavailable, match="changed since startup"):
         await collect(sidecar.generate(request()))
     # Logged once per distinct problem, not once per poll.
     assert caplog.text.count("changed since startup") == 1
     fake.fake.model = model_info()
-    await eventually(lambda: sidecar.ready)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
 
 
 async def test_topology_change_between_discovery_passes_is_rejected(
@@ -102,9 +106,13 @@ async def test_topology_change_between_discovery_passes_is_rejected(
     sidecar = await start_sidecar()
     fake.fake.server = server_info(dp_size=4, instance_id="fake-2")
     fake.fake.health["vllm.Inference"] = NOT_SERVING
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     fake.fake.health["vllm.Inference"] = SERVING
-    await eventually(lambda: "data_parallel_size: 2 -> 4" in _problem(sidecar))
+    await until(
+        lambda: "data_parallel_size: 2 -> 4" in _problem(sidecar),
+        10,
+        lambda: f"the problem said is {_problem(sidecar)!r}",
+    )
     assert not sidecar.ready
 
 
@@ -115,7 +123,11 @@ async def test_restart_missed_by_health_is_caught_by_periodic_verification(
     sidecar = await start_sidecar(router)
     # Same model, new instance, and health never went down between two polls.
     fake.fake.server = server_info(instance_id="fake-3")
-    await eventually(lambda: sidecar.info.instance_id == "fake-3", within=5)
+    await until(
+        lambda: sidecar.info.instance_id == "fake-3",
+        5,
+        lambda: f"the sidecar serves instance {sidecar.info.instance_id!r}",
+    )
     assert router.configured[-1].instance_id == "fake-3"
     assert sidecar.ready
 
@@ -125,7 +137,7 @@ async def test_block_size_change_while_serving_drops_readiness(
 ) -> None:
     sidecar = await start_sidecar()
     fake.fake.server = server_info(kv_block_size=32)
-    await eventually(lambda: not sidecar.ready, within=5)
+    await until(lambda: not sidecar.ready, 5, "the sidecar stops being ready")
     assert "block_size: 16 -> 32" in _problem(sidecar)
 
 
@@ -143,12 +155,16 @@ async def test_timed_out_probes_drop_readiness_only_when_they_persist(
     sidecar = await start_sidecar(health_interval=0.5)
     before = fake.fake.health_checks
     fake.fake.health["vllm.Control"] = grpc.StatusCode.DEADLINE_EXCEEDED
-    await eventually(lambda: fake.fake.health_checks >= before + 2)
+    await until(
+        lambda: fake.fake.health_checks >= before + 2,
+        10,
+        lambda: f"{fake.fake.health_checks} health checks",
+    )
     assert sidecar.ready, "two timed-out probes in a row must not turn requests away"
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     assert fake.fake.health_checks >= before + 3
     fake.fake.health["vllm.Control"] = SERVING
-    await eventually(lambda: sidecar.ready)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
 
 
 async def test_the_watch_probes_on_the_lean_connection_the_requests_use(
@@ -158,7 +174,11 @@ async def test_the_watch_probes_on_the_lean_connection_the_requests_use(
     HTTP/2 client (user agent ``rankgate`` alone, where grpcio adds its own name)."""
     sidecar = await start_sidecar(health_interval=0.2)
     started = len(fake.fake.health_agents)
-    await eventually(lambda: len(fake.fake.health_agents) >= started + 4)
+    await until(
+        lambda: len(fake.fake.health_agents) >= started + 4,
+        10,
+        lambda: f"{len(fake.fake.health_agents)} health checks",
+    )
     assert sidecar.ready
     assert all(agent.startswith("rankgate grpc-") for agent in fake.fake.health_agents[:started])
     assert set(fake.fake.health_agents[started:]) == {"rankgate"}
@@ -172,12 +192,16 @@ async def test_a_probe_left_unanswered_is_given_up_and_counts_as_timed_out(
     in a row went unanswered, and returns with the answers."""
     sidecar = await start_sidecar(health_interval=0.2)
     fake.fake.health_stall = 30.0
-    await eventually(lambda: fake.fake.health_cancelled >= 2, within=10)
+    await until(
+        lambda: fake.fake.health_cancelled >= 2,
+        10,
+        lambda: f"{fake.fake.health_cancelled} health checks cancelled",
+    )
     assert sidecar.ready, "two unanswered probes in a row must not turn requests away"
-    await eventually(lambda: not sidecar.ready, within=10)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     assert "DEADLINE_EXCEEDED" in _problem(sidecar)
     fake.fake.health_stall = 0.0
-    await eventually(lambda: sidecar.ready, within=10)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
 
 
 async def test_a_probe_cancelled_by_its_caller_is_cancelled_on_the_engine(
@@ -189,11 +213,19 @@ async def test_a_probe_cancelled_by_its_caller_is_cancelled_on_the_engine(
     try:
         fake.fake.health_stall = 30.0
         probe = asyncio.get_running_loop().create_task(LeanProbe(client, 60.0)("vllm.Control"))
-        await eventually(lambda: fake.fake.health_checks >= 1)
+        await until(
+            lambda: fake.fake.health_checks >= 1,
+            10,
+            lambda: f"{fake.fake.health_checks} health checks",
+        )
         probe.cancel()
         with pytest.raises(asyncio.CancelledError):
             await probe
-        await eventually(lambda: fake.fake.health_cancelled == 1)
+        await until(
+            lambda: fake.fake.health_cancelled == 1,
+            10,
+            lambda: f"{fake.fake.health_cancelled} health checks cancelled",
+        )
         fake.fake.health_stall = 0.0
         assert await LeanProbe(client, 60.0)("vllm.Control") is None
     finally:
@@ -207,10 +239,10 @@ async def test_a_health_service_that_does_not_know_vllm_drops_readiness(
     (another server took the port), which the watch reports as such at once."""
     sidecar = await start_sidecar(health_interval=0.2)
     fake.fake.health["vllm.Control"] = grpc.StatusCode.UNIMPLEMENTED
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     assert "not a vLLM gRPC server" in _problem(sidecar)
     fake.fake.health["vllm.Control"] = SERVING
-    await eventually(lambda: sidecar.ready)
+    await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
 
 
 async def test_an_explicit_not_serving_drops_readiness_at_once(
@@ -219,5 +251,5 @@ async def test_an_explicit_not_serving_drops_readiness_at_once(
     sidecar = await start_sidecar(health_interval=0.5)
     before = fake.fake.health_checks
     fake.fake.health["vllm.Control"] = NOT_SERVING
-    await eventually(lambda: not sidecar.ready)
+    await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
     assert fake.fake.health_checks <= before + 2

@@ -26,9 +26,10 @@ from rankgate.sidecar.errors import (
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.policies import build_router
 from rankgate.sidecar.types import SamplingParams, StoppingParams
-from tests.sidecar.fake_vllm import collect, eventually, request
+from tests.sidecar.fake_vllm import collect, request
 from tests.sidecar.routers import FixedRouter
 from tests.support.mock_engine import MockEngineHandle, running_mock_engine
+from tests.support.polling import until
 from tests.support.ports import free_port
 
 BASE = MockEngineConfig(
@@ -136,13 +137,13 @@ async def test_engine_death_mid_stream_then_recovery() -> None:
                         request("dead", stopping=StoppingParams(max_tokens=50, ignore_eos=True))
                     )
                 )
-            await eventually(lambda: not sidecar.ready)
+            await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
             with pytest.raises(EngineUnavailable) as caught:
                 await collect(sidecar.generate(request("refused")))
             assert caught.value.retry_after >= 1.0
             assert sidecar.in_flight() == {0: 0, 1: 0}
             handle.faults.revive_engine()
-            await eventually(lambda: sidecar.ready)
+            await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
             deltas = await collect(sidecar.generate(request("alive")))
             assert deltas[-1].finish_reason is not None
         assert leaks(handle) == {0: (0, 0), 1: (0, 0)}
@@ -151,15 +152,14 @@ async def test_engine_death_mid_stream_then_recovery() -> None:
 async def test_flapping_health_settles_ready() -> None:
     with mock_engine() as handle:
         async with sidecar_on(handle) as sidecar:
-            seen: set[bool] = set()
+            assert sidecar.ready
             handle.faults.flap_health(0.3, 4)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 2.0
-            while loop.time() < deadline:
-                seen.add(sidecar.ready)
-                await asyncio.sleep(0.02)
-            assert seen == {True, False}
-            await eventually(lambda: sidecar.ready)
+            await until(lambda: not sidecar.ready, 10, "the flapping takes the sidecar down")
+            await until(
+                lambda: not handle.faults.flapping() and sidecar.ready,
+                10,
+                lambda: f"flapping: {handle.faults.flapping()}, ready: {sidecar.ready}",
+            )
 
 
 async def test_restart_with_a_different_model_is_refused_then_restored() -> None:
@@ -171,12 +171,16 @@ async def test_restart_with_a_different_model_is_refused_then_restored() -> None
         )
         await sidecar.start()
     try:
-        await eventually(lambda: not sidecar.ready)
+        await until(lambda: not sidecar.ready, 10, "the sidecar stops being ready")
         with mock_engine(port=port, model="another-llm"):
-            await eventually(lambda: "'mock-llm' -> 'another-llm'" in _problem(sidecar))
+            await until(
+                lambda: "'mock-llm' -> 'another-llm'" in _problem(sidecar),
+                10,
+                lambda: f"the problem said is {_problem(sidecar)!r}",
+            )
             assert not sidecar.ready
         with mock_engine(port=port):
-            await eventually(lambda: sidecar.ready)
+            await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
             assert len(await collect(sidecar.generate(request()))) >= 1
     finally:
         await sidecar.close()
@@ -192,7 +196,11 @@ async def test_restart_with_a_different_dp_size_is_refused() -> None:
         await sidecar.start()
     try:
         with mock_engine(port=port, dp_size=4):
-            await eventually(lambda: "data_parallel_size: 2 -> 4" in _problem(sidecar))
+            await until(
+                lambda: "data_parallel_size: 2 -> 4" in _problem(sidecar),
+                10,
+                lambda: f"the problem said is {_problem(sidecar)!r}",
+            )
             assert not sidecar.ready
     finally:
         await sidecar.close()
@@ -224,14 +232,26 @@ async def test_cancelled_decode_handoff_strands_nothing() -> None:
                 kv_transfer_params={"do_remote_prefill": True, "remote_port": 5600},
             )
             task = asyncio.ensure_future(collect(sidecar.generate(decode)))
-            await eventually(lambda: handle.stats(1).active == 1)
+            await until(
+                lambda: handle.stats(1).active == 1,
+                10,
+                lambda: f"{handle.stats(1).active} active on rank 1",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await eventually(lambda: sidecar.in_flight() == {0: 0, 1: 0}, within=20)
+            await until(
+                lambda: sidecar.in_flight() == {0: 0, 1: 0},
+                20,
+                lambda: f"in flight: {sidecar.in_flight()}",
+            )
         # The engine learns of the cancel when the stream's reset reaches it, which on a busy
         # machine can come after the gateway has already let the request go.
-        await eventually(lambda: handle.stats(1).aborts == 1, within=20)
+        await until(
+            lambda: handle.stats(1).aborts == 1,
+            20,
+            lambda: f"{handle.stats(1).aborts} aborts on rank 1",
+        )
         stats = handle.stats(1)
         assert stats.stranded_transfers == 0
         assert stats.aborts == 1

@@ -25,6 +25,7 @@ from rankgate.mocker.server import MockServer
 from rankgate.mocker.threaded import serving_in_thread
 from rankgate.wire.proto.vllm import inference_pb2, inference_pb2_grpc
 from tests.conftest import TINY_TOKENIZER
+from tests.support.polling import wait_until
 from tests.support.ports import free_port, free_port_range
 
 T = TypeVar("T")
@@ -98,6 +99,15 @@ class MockFaults:
 
     def flap_health(self, period_s: float, count: int) -> None:
         self._handle.run(self._faults.flap_health(period_s, count))
+
+    def flapping(self) -> bool:
+        """Whether health is still being toggled by :meth:`flap_health`."""
+
+        def running() -> bool:
+            flapper = self._faults._flapper
+            return flapper is not None and not flapper.done()
+
+        return bool(self._handle.call(running))
 
     def reject_requests(self, count: int = -1, message: str = "engine overloaded") -> None:
         self._handle.call(lambda: self._faults.reject_requests(count, message))
@@ -186,12 +196,18 @@ class MockEngineHandle:
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until no rank holds a request (streams ended and cleaned up)."""
+        wait_until(
+            lambda: not any(self.active().values()),
+            timeout,
+            lambda: f"mock engine still has requests in flight: {self.active()}",
+        )
 
-        deadline = time.monotonic() + timeout
-        while self.call(lambda: sum(self.engine(rank).active for rank in self.ranks)):
-            if time.monotonic() > deadline:
-                raise TimeoutError("mock engine still has requests in flight")
-            time.sleep(0.005)
+    def active(self) -> dict[int, int]:
+        """The requests each rank holds."""
+        active: dict[int, int] = self.call(
+            lambda: {rank: self.engine(rank).active for rank in self.ranks}
+        )
+        return active
 
 
 def _snapshot(engine: RankEngine) -> RankStats:
