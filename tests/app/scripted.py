@@ -55,6 +55,8 @@ class ScriptedEngine:
         self.loras: tuple[str, ...] = ("my-lora",)
         self.requests: deque[PreparedRequest] = deque(maxlen=64)
         self.closed = 0
+        # Of those, the streams closed before their last delta: dropped, or failed.
+        self.cut = 0
         # Seconds between deltas.
         self.delay = 0.0
 
@@ -77,6 +79,7 @@ class ScriptedEngine:
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[Delta]:
         self.requests.append(request)
+        whole = False
         try:
             for choice in range(request.n):
                 text = self.outputs[choice % len(self.outputs)]
@@ -109,5 +112,7 @@ class ScriptedEngine:
                         delta.stop_reason = None
                     yield delta
                     await asyncio.sleep(self.delay)
+            whole = True
         finally:
             self.closed += 1
+            self.cut += not whole

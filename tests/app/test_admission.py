@@ -17,13 +17,13 @@ from tests.chaos.harness import (
     Gateway,
     assert_clean,
     chat,
-    eventually,
     gateway,
     mock_engine,
     raw_stream_request,
     refuse_on_rank,
 )
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -66,6 +66,13 @@ def used(gw: Gateway) -> dict[int, int]:
     return dict(gw.admission.used)
 
 
+def streaming(handle: MockEngineHandle, prefix: str) -> bool:
+    """Whether the engine has taken a request whose id starts with ``prefix``."""
+    return any(
+        rid.startswith(prefix) for rank in handle.ranks for rid, _ in handle.recent_prompts(rank)
+    )
+
+
 def routed_rank(response: httpx.Response) -> int | None:
     assert response.status_code == 200, response.text
     return route_rank(response.headers[ROUTE])
@@ -83,7 +90,7 @@ def test_pinned_requests_queue_for_their_rank_while_the_other_rank_serves_at_onc
                 "/v1/chat/completions",
                 json=chat("pinned 0", max_tokens=2, data_parallel_rank=0),
             )
-            eventually(lambda: gw.admission.waiting == 1, 5, "the rank-0 request waits")
+            wait_until(lambda: gw.admission.waiting == 1, 5, "the rank-0 request waits")
             metrics = gw.http.get("/metrics").text
             assert 'rankgate_admission_waiting{rank="0"} 1.0' in metrics
             assert 'rankgate_admission_in_use{rank="0"} 1.0' in metrics
@@ -107,7 +114,7 @@ def test_pinned_requests_queue_for_their_rank_while_the_other_rank_serves_at_onc
             assert 'rankgate_admission_refused_total{reason="timeout"} 1.0' in refused
             assert 1.3 < time.monotonic() - began < 5
         holder.close()
-        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        wait_until(lambda: gw.admission.in_use == 0, 3, "every slot returned")
         assert_clean(handle, gw)
 
 
@@ -122,13 +129,13 @@ def test_unpinned_requests_fill_every_rank_before_any_waits_then_run_where_a_slo
             waiter = pool.submit(
                 gw.http.post, "/v1/chat/completions", json=chat("waiter", max_tokens=2)
             )
-            eventually(lambda: gw.admission.waiting == 1, 5, "the third request waits")
+            wait_until(lambda: gw.admission.waiting == 1, 5, "the third request waits")
             assert {first.rank, second.rank} == {0, 1}
             second.close()
             # The freed rank is the only one with room: the waiter is routed there afresh.
             assert routed_rank(waiter.result(10)) == second.rank
         first.close()
-        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        wait_until(lambda: gw.admission.in_use == 0, 3, "every slot returned")
         assert_clean(handle, gw)
 
 
@@ -138,12 +145,12 @@ def test_a_queued_pinned_request_that_hangs_up_leaves_nothing() -> None:
         received = sum(s.requests_received for s in handle.all_stats().values())
         body = chat("queued", max_tokens=5, data_parallel_rank=1)
         queued = raw_stream_request(gw.port, body)
-        eventually(lambda: gw.admission.waiting == 1, 5, "the pinned request waits")
+        wait_until(lambda: gw.admission.waiting == 1, 5, "the pinned request waits")
         queued.close()
-        eventually(lambda: gw.admission.waiting == 0, 1, "it leaves the queue at once")
+        wait_until(lambda: gw.admission.waiting == 0, 1, "it leaves the queue at once")
         assert sum(s.requests_received for s in handle.all_stats().values()) == received
         holder.close()
-        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        wait_until(lambda: gw.admission.in_use == 0, 3, "every slot returned")
         assert_clean(handle, gw)
 
 
@@ -154,10 +161,10 @@ def test_each_choice_of_n_holds_a_slot_on_its_rank() -> None:
         # No slot is left anywhere: a third stream waits.
         with ThreadPoolExecutor(1) as pool:
             waiter = pool.submit(gw.http.post, "/v1/completions", json=completion("after"))
-            eventually(lambda: gw.admission.waiting == 1, 5, "the next request waits")
+            wait_until(lambda: gw.admission.waiting == 1, 5, "the next request waits")
             both.close()
             assert waiter.result(10).status_code == 200
-        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        wait_until(lambda: gw.admission.in_use == 0, 3, "every slot returned")
         assert_clean(handle, gw)
 
 
@@ -174,11 +181,11 @@ def test_the_engine_policy_admits_against_the_whole_group() -> None:
         holders = [hold(gw, f"hold {i}") for i in range(2)]
         with ThreadPoolExecutor(1) as pool:
             waiter = pool.submit(gw.http.post, "/v1/chat/completions", json=chat(max_tokens=2))
-            eventually(lambda: gw.admission.waiting == 1, 5, "a third request waits")
+            wait_until(lambda: gw.admission.waiting == 1, 5, "a third request waits")
             holders[0].close()
             assert waiter.result(10).status_code == 200
         holders[1].close()
-        eventually(lambda: gw.admission.in_use == 0, 3, "every slot returned")
+        wait_until(lambda: gw.admission.in_use == 0, 3, "every slot returned")
         assert_clean(handle, gw)
 
 
@@ -202,16 +209,21 @@ def test_slots_return_to_zero_after_a_burst_with_hang_ups_and_retries() -> None:
             pending = [pool.submit(other.post, "/v1/chat/completions", json=b) for b in bodies]
             # Clients that leave: some while queued, some mid-stream, some before sending.
             hang_ups = [
-                raw_stream_request(gw.port, chat(f"leaving {i}", max_tokens=5000)) for i in range(6)
+                raw_stream_request(
+                    gw.port, chat(f"leaving {i}", max_tokens=5000), request_id=f"leaving-{i}"
+                )
+                for i in range(6)
             ]
-            time.sleep(0.3)
+            # They leave once one of them streams from the engine, the rest queued or on
+            # their way.
+            wait_until(lambda: streaming(handle, "leaving-"), 20, "a hang-up reached the engine")
             for sock in hang_ups:
                 sock.close()
             results = [future.result(30) for future in pending]
         statuses = {response.status_code for response in results}
         assert statuses <= {200, 429}, [r.text for r in results]
         assert 200 in statuses
-        eventually(lambda: gw.admission.in_use == 0, 5, "every slot returned")
+        wait_until(lambda: gw.admission.in_use == 0, 5, "every slot returned")
         assert gw.admission.waiting == 0
         assert gw.admission.free == 4
         assert not gw.admission.full
@@ -267,7 +279,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole() -> None:
         finally:
             for holder in holders:
                 holder.close()
-        eventually(lambda: sum(used(gw).values()) == 0, 10, "the holders' slots come back")
+        wait_until(lambda: sum(used(gw).values()) == 0, 10, "the holders' slots come back")
         whole = gw.http.post("/v1/completions", json=batch(["one", "two"], n=2))
         assert whole.status_code == 200, whole.text
         assert sorted(c["index"] for c in whole.json()["choices"]) == [0, 1, 2, 3]
@@ -283,8 +295,9 @@ def test_a_waiting_batch_takes_its_slots_together() -> None:
             waiting = pool.submit(
                 other.post, "/v1/completions", json=batch(["one", "two", "three"])
             )
-            time.sleep(0.5)
+            wait_until(lambda: gw.admission.waiting == 1, 10, "the batch waits for its slots")
             # One slot is free, but the batch needs three: nothing of it has run.
+            assert sum(used(gw).values()) == 3
             assert not waiting.done()
             assert received(handle) == before
             for holder in holders:

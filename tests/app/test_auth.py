@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from rankgate.app.cli import build_parser, settings_from_args
 from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.edge.auth import AccessConfig, ApiKeyAuth, load_keys
 from rankgate.app.server import create_app
+from tests.app.processes import wait_ready
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
@@ -230,14 +230,7 @@ def test_keys_from_a_file_named_in_the_environment_stay_off_the_command_line(
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(base, process, 60)
         argv = Path(f"/proc/{process.pid}/cmdline").read_bytes()
         assert b"sk-from" not in argv
         assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 401

@@ -43,7 +43,7 @@ async def test_a_hang_up_cuts_the_request_through_a_waiting_receive() -> None:
         await receive()
         started.set()
         try:
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # until the hang-up cancels it
         except asyncio.CancelledError:
             cancelled.append(True)
             raise

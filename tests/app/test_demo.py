@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 
 from rankgate.app.routes.models import DEMO_OWNER
+from tests.app.processes import wait_ready
+from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,19 +52,6 @@ def process(argv: list[str], log: Path, **env: str) -> Iterator[subprocess.Popen
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"not ready:\n{log.read_text()[-3000:]}")
 
 
 def listening_addresses(pid: int) -> set[str]:
@@ -103,19 +92,26 @@ def test_a_bare_serve_is_a_loopback_demo_that_says_so(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with process(["serve", "--port", str(port), "--mock-speed", "0"], log) as proc:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, proc, log)
+        wait_ready(base, proc, 90, log)
         models = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
         assert [m["owned_by"] for m in models] == [DEMO_OWNER]
         assert chat(base, models[0]["id"]).status_code == 200
         # The KV events still flow with the publishers connecting to the gateway's sockets.
-        deadline = time.monotonic() + 20
-        while "rankgate_kv_event_batches_total{" not in (
-            text := httpx.get(f"{base}/metrics", timeout=5).text
-        ):
-            assert time.monotonic() < deadline, text[-2000:]
-            # Long enough to fill whole KV blocks, which is what the engine publishes.
-            chat(base, models[0]["id"], "a whole block of words " * 20)
-            time.sleep(0.2)
+        # Each chat is long enough to fill whole KV blocks, which is what the engine publishes;
+        # another goes until the publishers' batches are counted.
+        block = {"role": "user", "content": "a whole block of words " * 20}
+        asked = {"model": models[0]["id"], "messages": [block], "max_tokens": 3}
+        seen = [""]
+        with httpx.Client(base_url=base, timeout=30) as http:
+
+            def counted() -> bool:
+                seen[0] = http.get("/metrics").text
+                if "rankgate_kv_event_batches_total{" in seen[0]:
+                    return True
+                assert http.post("/v1/chat/completions", json=asked).status_code == 200
+                return False
+
+            wait_until(counted, 20, lambda: seen[0][-2000:])
         addresses = listening_addresses(proc.pid)
         # HTTP, the mock's gRPC port and the KV-event sockets (replay on the mock's side,
         # the publishers' targets on the gateway's): several, all on loopback.
@@ -132,7 +128,7 @@ def test_the_standalone_mock_engine_needs_no_flags(tmp_path: Path) -> None:
         process(["serve", "--engine", f"127.0.0.1:{engine_port}", "--port", str(port)], log) as gw,
     ):
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, gw, log)
+        wait_ready(base, gw, 90, log)
         models = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
         assert models[0]["owned_by"] == "rankgate"
         reply = chat(base, models[0]["id"])

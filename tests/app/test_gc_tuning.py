@@ -4,13 +4,13 @@ a request leaves nothing for those passes to find."""
 from __future__ import annotations
 
 import gc
-import time
 
 import httpx
 
 from tests.support.cyclic_garbage import cyclic_garbage
 from tests.support.engines import EngineUnderTest
 from tests.support.metrics import metric_total
+from tests.support.polling import wait_until
 
 
 def test_startup_objects_are_frozen_once_the_gateway_is_up(scripted_http: httpx.Client) -> None:
@@ -85,10 +85,11 @@ def test_a_failed_or_abandoned_request_leaves_nothing_for_the_cyclic_collector(
                     assert answer.status_code == 200
                     assert next(answer.iter_lines()).startswith("data: ")
                 faults.slow_steps(0)
-                deadline = time.monotonic() + 60
-                while in_flight() and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert in_flight() == 0
+                wait_until(
+                    lambda: in_flight() == 0,
+                    60,
+                    lambda: f"{in_flight()} requests still in flight",
+                )
         finally:
             faults.reject_requests(0)
             faults.garble_replies(0)

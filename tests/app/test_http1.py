@@ -32,9 +32,10 @@ from rankgate.app.serving.http1_exchange import (
 )
 from rankgate.app.serving.http1_writers import ChunkWriter, WholeAnswer
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine, scripted_info
-from tests.app.serving import serve_app
+from tests.app.serving import SkewedLoop, serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.loop_probe import health_probe
+from tests.support.polling import wait_until
 
 LIMITS = ConnectionLimits(
     max_header_bytes=8192,
@@ -300,28 +301,41 @@ def _get(gateway: str, path: str) -> tuple[int, bytes, bool]:
         sock.close()
 
 
-def test_a_flood_of_idle_and_slow_sockets_locks_nobody_out(gateway: str) -> None:
+def test_a_flood_of_idle_and_slow_sockets_locks_nobody_out(engine: ScriptedEngine) -> None:
     """Each connection past the cap takes the place of the one that has waited longest
     without a request: probes and requests get through, the flood's oldest sockets go."""
+    loops: list[SkewedLoop] = []
+
+    def skewed() -> SkewedLoop:
+        loops.append(SkewedLoop())
+        return loops[-1]
+
+    app = create_app(GatewaySettings(connections=LIMITS), engine=engine)
     flood: list[socket.socket] = []
-    try:
-        for i in range(3 * LIMITS.max_connections):
-            sock = socket.create_connection(address(gateway))
-            if i % 2:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: ")  # trickling
-            flood.append(sock)
-        # Sockets younger than the grace are spared (their request may be in flight).
-        time.sleep(LIMITS.eviction_grace * 1.5)
-        for path in ("/health", "/ready"):
-            status, _, _ = _get(gateway, path)
-            assert status == 200
-        assert still_serving(gateway)
-        oldest = flood[0]
-        oldest.settimeout(5)
-        assert oldest.recv(4096) == b"", "the longest-waiting socket was closed for the newcomers"
-    finally:
-        for sock in flood:
-            sock.close()
+    with serve_app(app, connections=LIMITS, loop_factory=skewed) as gateway:
+        try:
+            for i in range(3 * LIMITS.max_connections):
+                sock = socket.create_connection(address(gateway))
+                if i % 2:
+                    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: ")  # trickling
+                flood.append(sock)
+            # Past the cap and its reserve, the newest are refused: the gateway has taken in the
+            # whole flood once it answers the last.
+            flood[-1].settimeout(10)
+            assert flood[-1].recv(15) == b"HTTP/1.1 503 Se"
+            # Sockets younger than the grace are spared (their request may be in flight): the
+            # gateway's clock moves on by the grace, well short of the flood's head deadlines.
+            loops[-1].skew += LIMITS.eviction_grace
+            for path in ("/health", "/ready"):
+                status, _, _ = _get(gateway, path)
+                assert status == 200
+            assert still_serving(gateway)
+            oldest = flood[0]
+            oldest.settimeout(5)
+            assert oldest.recv(4096) == b"", "the longest-waiting socket was closed for newcomers"
+        finally:
+            for sock in flood:
+                sock.close()
 
 
 def test_probes_answer_when_every_connection_is_busy(gateway: str, engine: ScriptedEngine) -> None:
@@ -332,6 +346,7 @@ def test_probes_answer_when_every_connection_is_busy(gateway: str, engine: Scrip
     body = orjson.loads(BODY)
     body.update(stream=True, max_tokens=10)
     busy: list[socket.socket] = []
+    closed = engine.closed
     try:
         payload = orjson.dumps(body)
         # Every place is taken by a stream that runs for a couple of seconds, each seen
@@ -356,7 +371,12 @@ def test_probes_answer_when_every_connection_is_busy(gateway: str, engine: Scrip
             sock.close()
         engine.delay = 0.0
         engine.outputs = ["Hello there."]
-    time.sleep(0.3)
+    # Every stream has ended, so its connection is gone from the count.
+    wait_until(
+        lambda: engine.closed >= closed + LIMITS.max_connections,
+        10,
+        lambda: f"{engine.closed - closed} of {LIMITS.max_connections} streams ended",
+    )
     assert still_serving(gateway)
 
 

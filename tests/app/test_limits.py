@@ -21,6 +21,7 @@ from tests.app.serving import serve_app
 from tests.app.test_metrics import value
 from tests.conftest import TINY_TOKENIZER
 from tests.support.loop_probe import health_probe
+from tests.support.polling import wait_until
 
 LIMIT = 64 << 10
 DEPTH = 16
@@ -319,25 +320,49 @@ def test_a_client_that_hangs_up_during_its_upload_is_a_499_not_a_500(
     before = len(engine.requests)
     with httpx.Client(base_url=url, timeout=30) as client:
         metrics_before = client.get("/metrics").text
-    with caplog.at_level(logging.INFO):
-        for _ in range(3):
+    name = "rankgate_http_requests_total"
+    with caplog.at_level(logging.INFO), httpx.Client(base_url=url, timeout=30) as client:
+        scraped = [metrics_before]
+
+        def scrape() -> str:
+            scraped.append(client.get("/metrics").text)
+            return scraped[-1]
+
+        def begun(text: str) -> float:
+            """Requests answered, then those in flight (one finishing between is missed)."""
+            return value(text, name, endpoint="completions") + value(
+                text, "rankgate_http_requests_in_flight"
+            )
+
+        def hang_up_during_upload(requests: float) -> None:
             with socket.create_connection((host, int(port))) as sock:
                 sock.sendall(
                     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
                     b"content-type: application/json\r\ncontent-length: 100000\r\n\r\n"
                     b'{"model":"scripted","prompt":"'
                 )
-                time.sleep(0.2)
-        deadline = time.monotonic() + 10
-        with httpx.Client(base_url=url, timeout=30) as client:
-            while time.monotonic() < deadline:
-                after = client.get("/metrics").text
-                name = "rankgate_http_requests_total"
-                gone = value(after, name, status="499") - value(metrics_before, name, status="499")
-                if gone >= 3:
-                    break
-                time.sleep(0.1)
-    assert gone == 3
+                # The request has begun, its body still coming, when its client hangs up.
+                wait_until(
+                    lambda: begun(scrape()) >= requests,
+                    10,
+                    lambda: f"the upload did not begin a request: {scraped[-1]}",
+                )
+
+        for i in range(1, 4):
+            hang_up_during_upload(begun(metrics_before) + i)
+
+        def gone() -> float:
+            return value(scraped[-1], name, status="499") - value(
+                metrics_before, name, status="499"
+            )
+
+        def counted() -> bool:
+            scrape()
+            return gone() >= 3
+
+        wait_until(counted, 10, lambda: f"{gone()} of 3 hang-ups counted as 499")
+    after = scraped[-1]
+    assert gone() == 3
     assert value(after, name, status="500") == value(metrics_before, name, status="500")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not [r for r in caplog.records if r.exc_info]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import rankgate.app.observability.metrics as metrics_module
 from tests.support.engines import EngineUnderTest
+from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,17 +118,14 @@ def test_engine_health_goes_down_with_the_engine(
     assert mock_vllm.mock is not None
     mock_vllm.mock.faults.set_serving(False)
     try:
-        for _ in range(100):
-            if value(scrape(mock_http), "rankgate_engine_ready") == 0:
-                break
-            time.sleep(0.1)
-        assert value(scrape(mock_http), "rankgate_engine_ready") == 0
+        wait_until(
+            lambda: value(scrape(mock_http), "rankgate_engine_ready") == 0,
+            10,
+            "rankgate_engine_ready drops to 0",
+        )
     finally:
         mock_vllm.mock.faults.set_serving(True)
-    for _ in range(100):
-        if mock_http.get("/ready").status_code == 200:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: mock_http.get("/ready").status_code == 200, 10, "the gateway ready again")
     assert value(scrape(mock_http), "rankgate_engine_ready") == 1
 
 

@@ -8,13 +8,13 @@ import contextlib
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from rankgate.app.serving.offload import (
     NICENESS,
+    SECONDS_PER_BYTE,
     FinishOrderedPool,
     _cgroup_quota,
     background,
@@ -138,11 +138,12 @@ def test_smaller_work_passes_bigger_work_queued_before_it() -> None:
 
 
 def test_work_is_not_passed_by_much_smaller_work_arriving_long_after() -> None:
-    pool = FinishOrderedPool(1, "test-aging")
+    now = [0.0]
+    pool = FinishOrderedPool(1, "test-aging", clock=lambda: now[0])
     release = _busy(pool)
     ran: list[str] = []
     big = pool.submit(lambda: ran.append("big"), 1_000)
-    time.sleep(0.01)  # 10 KB's worth of waiting at SECONDS_PER_BYTE
+    now[0] += 10_000 * SECONDS_PER_BYTE
     later = pool.submit(lambda: ran.append("small, later"), 0)
     release.set()
     big.result(10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
@@ -19,6 +18,7 @@ from rankgate.sidecar.errors import (
     SidecarError,
 )
 from tests.app.scripted import SCRIPTED_MODEL, ScriptedEngine
+from tests.support.polling import wait_until
 
 USER = [{"role": "user", "content": "What's the weather in Paris?"}]
 TOOLS = [
@@ -286,7 +286,7 @@ def test_client_disconnect_drops_the_engine_stream(
 ) -> None:
     scripted.outputs = ["word " * 150]
     scripted.delay = 0.01
-    before = scripted.closed
+    before, cut = scripted.closed, scripted.cut
     with (
         httpx.Client(base_url=scripted_gateway) as client,
         client.stream(
@@ -298,10 +298,9 @@ def test_client_disconnect_drops_the_engine_stream(
         assert response.status_code == 200
         next(response.iter_lines())
 
-    deadline = time.monotonic() + 5
-    while scripted.closed == before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: scripted.closed > before, 5, "the engine stream closed")
     assert scripted.closed == before + 1
+    assert scripted.cut == cut + 1, "the engine stream ran to its end"
 
 
 def test_non_streaming_client_disconnect_drops_the_engine_stream(
@@ -309,17 +308,16 @@ def test_non_streaming_client_disconnect_drops_the_engine_stream(
 ) -> None:
     scripted.outputs = ["word " * 300]
     scripted.delay = 0.01
-    before = scripted.closed
+    before, cut = scripted.closed, scripted.cut
     with (
         httpx.Client(base_url=scripted_gateway, timeout=0.3) as client,
         pytest.raises(httpx.ReadTimeout),
     ):
         client.post("/v1/completions", json={"model": SCRIPTED_MODEL, "prompt": "x"})
-    deadline = time.monotonic() + 0.5
-    while scripted.closed == before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    # 300 tokens at 10 ms each take 3 s: only dropping the stream ends it this soon.
+    wait_until(lambda: scripted.closed > before, 10, "the engine stream closed")
     assert scripted.closed == before + 1
+    # Before its 300th token: the gateway dropped it.
+    assert scripted.cut == cut + 1, "the engine stream ran to its end"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,14 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.app.processes import wait_ready
 from tests.app.test_route_header import route_of
+from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,16 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert process.poll() is None, log.read_text()
-                try:
-                    if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
+            wait_ready(url, process, 60, log)
             yield url, log
         finally:
             process.send_signal(signal.SIGTERM)
@@ -82,17 +74,17 @@ def test_a_repeated_prompt_returns_to_its_rank_through_the_served_gateway(
     with httpx.Client(base_url=url, timeout=30) as http:
         first = route_of(http.post("/v1/completions", json=body))
         assert first["policy"] == "kv"
-        deadline = time.monotonic() + 10
-        while True:
+        routes: list[dict[str, str]] = []
+
+        def cached() -> bool:
             response = http.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
-            again = route_of(response)
-            # Until its KV events arrive, the router's short-lived prediction holds the prefix.
-            if int(again["cached"]) >= 256:
-                break
-            assert time.monotonic() < deadline, again
-            time.sleep(0.05)
-        assert again["rank"] == first["rank"]
+            routes.append(route_of(response))
+            return int(routes[-1]["cached"]) >= 256
+
+        # Until its KV events arrive, the router's short-lived prediction holds the prefix.
+        wait_until(cached, 10, lambda: f"the prefix was not seen cached: {routes[-1]}")
+        assert routes[-1]["rank"] == first["rank"]
         metrics = http.get("/metrics").text
     assert f'rankgate_routing_requests_total{{policy="kv",rank="{first["rank"]}"}}' in metrics
     assert "rankgate_kv_event_batches_total" in metrics

@@ -3,7 +3,6 @@ engine call, whose span context the mock engine receives as gRPC metadata."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from rankgate.app.observability.tracing import Tracing
 from rankgate.app.server import create_app
 from tests.app.serving import serve_app
 from tests.support.engines import EngineUnderTest
+from tests.support.polling import wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -45,14 +45,15 @@ def traced(mock_vllm: EngineUnderTest, exporter: InMemorySpanExporter) -> Iterat
 
 def spans_of(exporter: InMemorySpanExporter, server_name: str) -> list[ReadableSpan]:
     """The spans of the one trace whose server span is ``server_name``, once it ended."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        spans = list(exporter.get_finished_spans())
-        if any(s.name == server_name for s in spans):
-            exporter.clear()
-            return spans
-        time.sleep(0.01)
-    raise AssertionError(f"no {server_name} span")
+    spans: list[ReadableSpan] = []
+
+    def ended() -> bool:
+        spans[:] = exporter.get_finished_spans()
+        return any(s.name == server_name for s in spans)
+
+    wait_until(ended, 10, lambda: f"no {server_name} span among {[s.name for s in spans]}")
+    exporter.clear()
+    return spans
 
 
 def hex_id(value: int, width: int) -> str:

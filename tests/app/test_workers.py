@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +19,16 @@ import orjson
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
+from tests.app.processes import answers_ready, wait_ready
 from tests.app.test_metrics import value
 from tests.conftest import TINY_TOKENIZER
 from tests.support.mock_engine import running_mock_engine
+from tests.support.polling import wait_until
 from tests.support.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
 DP = 2
+WORKERS = 2
 MODEL = "slow-llama"
 # At the mocker's GPU-like 8 ms a step, a stream of this many tokens lasts about 2.5 s.
 LONG = 300
@@ -92,7 +94,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                 "rankgate.app.cli",
                 "serve",
                 "--workers",
-                "2",
+                str(WORKERS),
                 "--engine",
                 str(engine.target),
                 "--tokenizer",
@@ -111,7 +113,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, process)
+            _wait_ready(url, process, log)
             yield Gateway(url, process, log)
         finally:
             process.send_signal(signal.SIGTERM)
@@ -123,18 +125,21 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                 raise
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    ready = 0
-    while ready < 10:
-        assert process.poll() is None, "the gateway exited during startup"
-        assert time.monotonic() < deadline, "the workers did not become ready"
-        try:
-            # Fresh connections reach either worker; ten in a row makes both likely ready.
-            ready = ready + 1 if httpx.get(f"{url}/ready", timeout=5).status_code == 200 else 0
-        except httpx.TransportError:
-            ready = 0
-        time.sleep(0.1)
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path | None = None) -> None:
+    """Until the gateway is ready and, when its ``log`` is given, both workers have said their
+    server started (a probe alone may reach the first one only: they share one socket)."""
+    if log is not None:
+        wait_until(
+            lambda: _started(log) >= WORKERS,
+            120,
+            lambda: f"{_started(log)} of {WORKERS} workers started",
+        )
+    wait_ready(url, process, 120, log)
+
+
+def _started(log: Path) -> int:
+    """How many workers' servers have started, as uvicorn says in any log format."""
+    return log.read_bytes().count(b"Application startup complete.")
 
 
 class Streams:
@@ -231,32 +236,54 @@ def test_two_workers_serve_one_port_and_share_load(gateway: Gateway) -> None:
     assert value(text, "rankgate_routing_in_flight_requests") == 0
     # A sibling that answers the scrape's flush request after the scrape stopped waiting for
     # it (a loaded machine) is counted by a later scrape.
-    deadline = time.monotonic() + 10
     total = len(served)
-    while value(text, "rankgate_http_requests_total", endpoint="completions", status="200") < total:
-        assert time.monotonic() < deadline, "the served requests never reached the merged count"
-        time.sleep(0.2)
-        text = _scrape(gateway.url)
+    scraped = [text]
+
+    def merged() -> float:
+        return value(
+            scraped[-1], "rankgate_http_requests_total", endpoint="completions", status="200"
+        )
+
+    def counted() -> bool:
+        if merged() >= total:
+            return True
+        scraped.append(_scrape(gateway.url))
+        return merged() >= total
+
+    wait_until(counted, 10, lambda: f"the merged count has {merged()} of {total} served requests")
+    text = scraped[-1]
     # Each worker routed the requests it served; the merged tally has them all.
     assert value(text, "rankgate_routing_requests_total", policy="load") == total
     prompt_tokens = sum(int(str(line["prompt_tokens"])) for line in served)
     assert value(text, "rankgate_routing_prompt_tokens_total") == prompt_tokens
 
 
-def _voluntary_switches(pid: int) -> int:
-    """How often ``pid``'s main thread has gone to sleep: once per wake-up."""
-    for line in Path(f"/proc/{pid}/task/{pid}/status").read_text().splitlines():
-        if line.startswith("voluntary_ctxt_switches:"):
-            return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches in /proc")
+# The system calls ``multiprocessing.connection.wait`` sleeps in, by number as /proc shows
+# them (x86-64, then arm64), with the third argument's values that mean no timeout: poll's
+# milliseconds (-1), ppoll's pointer to a timespec (NULL).
+_NO_TIMEOUT = {0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}
+_POLLS = {"7": ("poll", _NO_TIMEOUT), "271": ("ppoll", {0}), "73": ("ppoll", {0})}
+
+
+def _syscall(pid: int) -> str:
+    """The system call ``pid``'s main thread is blocked in, with its arguments, as /proc says."""
+    return Path(f"/proc/{pid}/task/{pid}/syscall").read_text().strip()
 
 
 def test_an_idle_supervisor_sleeps_until_a_worker_exits(gateway: Gateway) -> None:
     """The supervisor waits on its workers' exits rather than polling them, so an idle one
-    costs nothing (polling every 0.2 s woke it ten times in these two seconds)."""
-    before = _voluntary_switches(gateway.process.pid)
-    time.sleep(2)
-    assert _voluntary_switches(gateway.process.pid) - before <= 1
+    costs nothing: it sleeps in a wait with no timeout, which only an exit (or a stop) ends."""
+    pid = gateway.process.pid
+    calls: list[str] = []
+
+    def waiting() -> bool:
+        calls.append(_syscall(pid))
+        return calls[-1].split(" ", 1)[0] in _POLLS
+
+    wait_until(waiting, 10, lambda: f"the supervisor is not in a wait: {calls[-1]}")
+    number, _, _, timeout, *_ = calls[-1].split()
+    name, forever = _POLLS[number]
+    assert int(timeout, 16) in forever, f"{name} with a timeout: {calls[-1]}"
 
 
 def test_a_crashed_worker_is_replaced_and_its_load_forgotten(gateway: Gateway) -> None:
@@ -273,17 +300,13 @@ def test_a_crashed_worker_is_replaced_and_its_load_forgotten(gateway: Gateway) -
     cut = [rid for rid, outcome in streams.outcomes.items() if outcome != "done"]
     # The victim's streams were cut; the other worker's finished.
     assert len(cut) == held[victim]
-    deadline = time.monotonic() + 90
-    while True:
+
+    def replaced() -> bool:
         now = gateway.workers()
-        if len(now) == 2 and victim not in now:
-            try:
-                if httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-        assert time.monotonic() < deadline, "no replacement worker"
-        time.sleep(0.2)
+        return len(now) == WORKERS and victim not in now and answers_ready(http, gateway.url)
+
+    with httpx.Client(timeout=5) as http:
+        wait_until(replaced, 90, lambda: f"no replacement worker: {gateway.workers()}")
     # The dead worker's requests no longer count against any rank.
     for _ in range(4):
         assert value(_scrape(gateway.url), "rankgate_routing_in_flight_requests") == 0

@@ -75,7 +75,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, process)
+            _wait_ready(url, process, log)
             yield Gateway(url, process, log)
         finally:
             process.send_signal(signal.SIGTERM)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-import time
 
 from rankgate.app.config.settings import GatewaySettings
 from rankgate.app.serving.workers import STARTUP_FAILED
@@ -24,12 +23,5 @@ def second_keeps_crashing(
     """Worker 0 serves until SIGTERM; worker 1 dies as soon as it starts."""
     if worker == 1:
         sys.exit(1)
-    stopped = False
-
-    def stop(signum: int, frame: object) -> None:
-        nonlocal stopped
-        stopped = True
-
-    signal.signal(signal.SIGTERM, stop)
-    while not stopped:
-        time.sleep(0.05)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.sigwait({signal.SIGTERM})

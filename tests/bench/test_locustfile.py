@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_demo import ROOT, process, wait_ready
+from tests.app.processes import wait_ready
+from tests.app.test_demo import ROOT, process
 from tests.support.ports import free_port
 
 
@@ -33,7 +34,7 @@ def test_the_load_test_streams_through_the_gateway_without_rankgates_dependencie
     log = tmp_path / "serve.log"
     with process(["serve", "--port", str(port), "--mock-speed", "0"], log) as proc:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, proc, log)
+        wait_ready(base, proc, 90, log)
         options = (
             f"--headless -H {base} -u 2 -r 2 -t 3s --stream --max-tokens 8 --only-summary "
             f"--shared-prefix-words 40 --images {images} --image-size 32 --think-seconds 0.05"

@@ -5,8 +5,7 @@ engine request, no in-flight count left behind, and a gateway that still serves.
 from __future__ import annotations
 
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +23,7 @@ from rankgate.sidecar.admission import Admission
 from tests.app.serving import serve_app
 from tests.conftest import TINY_TOKENIZER
 from tests.support.mock_engine import MockEngineHandle, running_mock_engine
+from tests.support.polling import wait_until
 from tests.support.ports import free_port, free_port_range
 
 MODEL = "chaos-llm"
@@ -104,14 +104,6 @@ def gateway(handle: MockEngineHandle, **overrides: Any) -> Iterator[Gateway]:
         yield Gateway(url, app, http)
 
 
-def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what or check}")
-        time.sleep(0.01)
-
-
 def chat(content: str = "hello", **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
 
@@ -160,23 +152,30 @@ def assert_clean(handle: MockEngineHandle, gw: Gateway, timeout: float = 10.0) -
     handle.wait_idle(timeout)
     for rank, stats in handle.all_stats().items():
         assert stats.leaked == 0, f"rank {rank} leaked {stats.leaked} requests"
-    eventually(lambda: not any(gw.in_flight().values()), timeout, "in-flight counts return to 0")
-    eventually(lambda: gw.http.get("/ready").status_code == 200, timeout, "gateway ready")
+    wait_until(lambda: not any(gw.in_flight().values()), timeout, "in-flight counts return to 0")
+    wait_until(lambda: gw.http.get("/ready").status_code == 200, timeout, "gateway ready")
     response = gw.http.post("/v1/chat/completions", json=chat("still there?", max_tokens=4))
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
-def raw_stream_request(port: int, body: dict[str, Any], rcvbuf: int | None = None) -> socket.socket:
+def raw_stream_request(
+    port: int, body: dict[str, Any], rcvbuf: int | None = None, request_id: str | None = None
+) -> socket.socket:
     """A streaming POST on a raw socket, so a test controls exactly when it reads or hangs up."""
     sock = socket.socket()
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", port))
     payload = orjson.dumps({**body, "stream": True})
+    named = b"" if request_id is None else b"X-Request-Id: " + request_id.encode() + b"\r\n"
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        + named
+        + b"Content-Length: "
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+        + payload
     )
     return sock
 

@@ -14,13 +14,13 @@ from rankgate.sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
     chat,
-    eventually,
     gateway,
     mock_engine,
     raw_stream_request,
     stream,
 )
 from tests.support.mock_engine import MockEngineHandle
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 HANGUPS = 40
@@ -76,12 +76,12 @@ def test_a_hang_up_before_the_first_token_and_while_queued_leaves_nothing_behind
         assert admission.in_use == 2
         received = sum(s.requests_received for s in handle.all_stats().values())
         queued = raw_stream_request(gw.port, chat("queued", max_tokens=5))
-        eventually(lambda: admission.waiting == 1, 5, "the third request waits for a slot")
+        wait_until(lambda: admission.waiting == 1, 5, "the third request waits for a slot")
         queued.close()
-        eventually(lambda: admission.waiting == 0, 1, "a queued request whose client left")
+        wait_until(lambda: admission.waiting == 0, 1, "a queued request whose client left")
         for sock in holders:
             sock.close()
-        eventually(lambda: admission.in_use == 0, 2, "slots come back")
+        wait_until(lambda: admission.in_use == 0, 2, "slots come back")
         assert sum(s.requests_received for s in handle.all_stats().values()) == received
         assert_clean(handle, gw)
 
@@ -129,7 +129,7 @@ def test_a_reader_that_stops_is_cut_before_the_buffers_fill() -> None:
             chunk = steady.recv(65536)
             assert chunk, "the steady reader's stream was cut"
             received += chunk
-        eventually(lambda: aborts(handle) > before, 30, "the stopped reader was cut")
+        wait_until(lambda: aborts(handle) > before, 30, "the stopped reader was cut")
         stuck.setblocking(False)
         held = 0
         with contextlib.suppress(BlockingIOError):

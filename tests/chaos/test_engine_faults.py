@@ -20,13 +20,13 @@ from tests.chaos.harness import (
     assert_clean,
     chat,
     engine_config,
-    eventually,
     gateway,
     mock_engine,
     refuse_on_rank,
     stream,
 )
 from tests.support.mock_engine import running_mock_engine
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +48,7 @@ def test_engine_death_mid_stream_ends_every_stream_with_one_error_event() -> Non
             else:
                 assert result.status in (500, 503)
         assert any(r.status == 200 for r in results), "some streams were running when it died"
-        eventually(lambda: gw.http.get("/ready").status_code == 503, 5, "readiness drops")
+        wait_until(lambda: gw.http.get("/ready").status_code == 503, 5, "readiness drops")
         refused = gw.http.post("/v1/chat/completions", json=chat(max_tokens=4))
         assert refused.status_code == 503
         assert "retry-after" in refused.headers
@@ -92,16 +92,16 @@ def test_restart_with_a_different_model_is_refused_loudly_then_restored(
         with gateway(handle) as gw:
             assert gw.http.post("/v1/chat/completions", json=chat(max_tokens=2)).is_success
             first.__exit__(None, None, None)
-            eventually(lambda: gw.http.get("/ready").status_code == 503, 5, "engine gone noticed")
+            wait_until(lambda: gw.http.get("/ready").status_code == 503, 5, "engine gone noticed")
             with mock_engine(config, model="impostor-llm"):
-                eventually(lambda: "changed since startup" in _problem(gw), 15, "drift noticed")
+                wait_until(lambda: "changed since startup" in _problem(gw), 15, "drift noticed")
                 refused = gw.http.post("/v1/chat/completions", json=chat(max_tokens=2))
                 assert refused.status_code == 503
                 message = refused.json()["error"]["message"]
                 assert "impostor-llm" in message
                 assert gw.http.get("/ready").status_code == 503
             with mock_engine(config) as restored:
-                eventually(lambda: gw.http.get("/ready").status_code == 200, 15, "restored")
+                wait_until(lambda: gw.http.get("/ready").status_code == 200, 15, "restored")
                 assert_clean(restored, gw)
     finally:
         first.__exit__(None, None, None)
@@ -200,10 +200,10 @@ def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) ->
                     headers={"x-data-parallel-rank": "1"},
                 )
                 assert pinned.status_code == 200
-            eventually(lambda: handle.stats(1).kv_next_sequence >= 3, 5, "batches published")
+            wait_until(lambda: handle.stats(1).kv_next_sequence >= 3, 5, "batches published")
             # Every batch of the old publisher applied first: one applied late would pass for
             # a batch of the restarted publisher, before the subscriber has reconnected to it.
-            eventually(
+            wait_until(
                 lambda: live_batches(gw, 1) >= handle.stats(1).kv_next_sequence,
                 5,
                 "published batches applied",
@@ -226,7 +226,7 @@ def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) ->
                 assert pinned.status_code == 200
                 return live_batches(gw, 1) > applied
 
-            eventually(relinked, 10, "the subscriber hears the restarted publisher")
+            wait_until(relinked, 10, "the subscriber hears the restarted publisher")
         # The first batch (the warm prefix) is the one lost; the next ones reveal the gap.
         for content in (f"{prefix} warm", f"{other} one", f"{other} two"):
             pinned = gw.http.post(
@@ -241,7 +241,7 @@ def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) ->
         # The router learns of the lost batch (or the restart) only from the batches after it,
         # and applies them a few milliseconds later (the intake lets them gather). An unpinned
         # request sent before that lands on rank 0, which then caches the prefix too.
-        eventually(
+        wait_until(
             lambda: live_batches(gw, 1) >= handle.stats(1).kv_next_sequence,
             5,
             "rank 1's batches applied, the lost one included",
@@ -255,7 +255,7 @@ def test_kv_event_loss_is_recovered_and_routing_follows_the_cache(fault: str) ->
             assert response.status_code == 200
             return handle.stats(1).requests_received > before[1]
 
-        eventually(routed_to_cache, 10, "an unpinned request follows the cached prefix to rank 1")
+        wait_until(routed_to_cache, 10, "an unpinned request follows the cached prefix to rank 1")
         before = {rank: s.requests_received for rank, s in handle.all_stats().items()}
         for i in range(4):
             response = gw.http.post(

@@ -13,12 +13,12 @@ from rankgate.sidecar.admission import AdmissionConfig
 from tests.chaos.harness import (
     assert_clean,
     chat,
-    eventually,
     gateway,
     mock_engine,
     raw_stream_request,
 )
 from tests.chaos.test_clients import read_events
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,11 +42,11 @@ def test_queue_full_and_deadline_are_429_with_retry_after() -> None:
             low = pool.submit(
                 other.post, "/v1/chat/completions", json=chat("low", max_tokens=2, priority=5)
             )
-            eventually(lambda: admission.waiting == 1, 5, "low waits")
+            wait_until(lambda: admission.waiting == 1, 5, "low waits")
             high = pool.submit(
                 gw.http.post, "/v1/chat/completions", json=chat("high", max_tokens=2, priority=-5)
             )
-            eventually(lambda: admission.waiting == 2, 5, "high waits")
+            wait_until(lambda: admission.waiting == 2, 5, "high waits")
             full = httpx.post(f"{gw.url}/v1/chat/completions", json=chat(max_tokens=2))
             assert full.status_code == 429
             assert full.json()["error"]["code"] == "gateway_overloaded"
@@ -65,7 +65,7 @@ def test_queue_full_and_deadline_are_429_with_retry_after() -> None:
         assert admission.waiting == 0
         for sock in (holders[1], blocker):
             sock.close()
-        eventually(lambda: admission.in_use == 0, 3, "every slot returned")
+        wait_until(lambda: admission.in_use == 0, 3, "every slot returned")
         assert_clean(handle, gw)
 
 
@@ -91,7 +91,7 @@ def test_priority_order_is_what_the_engine_sees() -> None:
                 def queued(n: int = expected) -> bool:
                     return bool(admission.waiting == n)
 
-                eventually(queued, 5, f"{name} queued")
+                wait_until(queued, 5, f"{name} queued")
             holder.close()
             assert all(f.result(20).status_code == 200 for f in futures)
         prompts = handle.recent_prompts(0)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.app.processes import wait_ready
 from tests.chaos.harness import raw_stream_request
 from tests.chaos.test_clients import read_events
 from tests.support.ports import free_port
@@ -43,15 +44,7 @@ def test_sigterm_drains_then_ends_the_rest_cleanly() -> None:
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "rankgate serve did not become ready"
-            time.sleep(0.2)
+        wait_ready(url, proc, 60)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
 
         def body(tokens: int) -> dict[str, object]:

@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.app.test_demo import process, wait_ready
+from tests.app.processes import wait_ready
+from tests.app.test_demo import process
 from tests.clients.harness import (
     CACHED_TOKENIZER,
     DRIVERS,
@@ -44,7 +45,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("gateway") / "serve.log"
     with process(["serve", "--port", str(port), "--mock-speed", "0"], log) as proc:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, proc, log)
+        wait_ready(base, proc, 90, log)
         yield base
         assert proc.poll() is None, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text(), log.read_text()[-6000:]

@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rankgate.wire.proto.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.support.engines import EngineUnderTest
+from tests.support.polling import wait_until
 
 RPC_TIMEOUT_S = 60.0
 RANK_HEADER = "x-data-parallel-rank"
@@ -286,12 +287,14 @@ class KvEventListener:
 
     def wait_for(self, predicate: Any, timeout: float = 30.0) -> list[KvEvent]:
         """Pump until ``predicate(self.events)`` holds; fails the test on timeout."""
-        deadline = time.monotonic() + timeout
-        while not predicate(self.events):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"KV events never satisfied the check in {timeout} s: {self.events}")
-            self.pump(min(left, 0.2))
+
+        def satisfied() -> bool:
+            if predicate(self.events):
+                return True
+            self.pump(0.2)
+            return bool(predicate(self.events))
+
+        wait_until(satisfied, timeout, lambda: f"KV events never satisfied it: {self.events}")
         return self.events
 
     def _decode(self, frames: list[bytes], port_rank: int) -> list[KvEvent]:

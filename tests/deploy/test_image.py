@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import httpx
 import pytest
 
 from rankgate.mocker.config import MockEngineConfig
+from tests.app.processes import wait_ready
 from tests.deploy.dockerfile import Dockerfile, Stage, parse
 from tests.support.mock_engine import MockEngineHandle, running_mock_engine
 from tests.support.ports import free_port, free_port_range
@@ -330,19 +330,11 @@ def test_gateway_from_the_image_serves_the_mock_engine(
         )
     try:
         healthcheck, start_period = _healthcheck(runtime)
-        deadline = time.monotonic() + max(start_period, 30.0)
-        while True:
-            assert gateway.poll() is None, f"the gateway exited:\n{log.read_text()[-4000:]}"
-            probe = subprocess.run(healthcheck, env=env, capture_output=True, timeout=10)
-            if probe.returncode == 0:
-                break
-            assert time.monotonic() < deadline, (
-                f"HEALTHCHECK never passed:\n{probe.stderr.decode()[-2000:]}\n"
-                f"{log.read_text()[-4000:]}"
-            )
-            time.sleep(0.5)
-
         base = f"http://127.0.0.1:{port}"
+        # The HEALTHCHECK asks /ready too: once the gateway is ready it passes.
+        wait_ready(base, gateway, max(start_period, 30.0), log)
+        probe = subprocess.run(healthcheck, env=env, capture_output=True, timeout=10)
+        assert probe.returncode == 0, f"HEALTHCHECK failed:\n{probe.stderr.decode()[-2000:]}"
         ready = httpx.get(f"{base}/ready", timeout=5)
         assert ready.status_code == 200
         assert ready.json() == {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,6 +28,7 @@ from tests.conftest import TINY_TOKENIZER
 from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.engines import EngineUnderTest
 from tests.support.metrics import metric_total
+from tests.support.polling import wait_until
 
 IMAGE_TOKEN = 5  # <|image|> in the tiny tokenizer, the mock's placeholder
 PATCH = 28
@@ -281,10 +281,11 @@ def test_a_request_with_several_new_images_learns_each_of_them(
     for picture in (first, second, third, fourth):
         assert preparer.learned.get(png_id(picture)) == mock_tokens(*picture.size)
     # The blocks it stored reach the index with the engine's KV events, after the answer.
-    deadline = time.monotonic() + 10
-    while metric_total(gateway, "rankgate_routing_index_blocks", medium="device") <= indexed:
-        assert time.monotonic() < deadline, "the first request's blocks were never indexed"
-        time.sleep(0.02)
+    wait_until(
+        lambda: metric_total(gateway, "rankgate_routing_index_blocks", medium="device") > indexed,
+        10,
+        "the first request's blocks were indexed",
+    )
     # Every size known now: the repeat is routed on its image blocks, its count exact.
     again = gateway.post("/v1/chat/completions", json=body)
     route = again.headers["x-rankgate-route"]

@@ -32,6 +32,7 @@ from tests.multimodal.pictures import encode, noise
 from tests.multimodal.test_gateway_images import ImageServer
 from tests.support.engines import EngineUnderTest
 from tests.support.metrics import metric_total
+from tests.support.polling import wait_until
 from tests.support.real_vllm import RealVllm
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
@@ -149,13 +150,19 @@ def post(client: httpx.Client, payload: dict[str, Any]) -> httpx.Response:
 def settle(gateway: httpx.Client, events: KvEventListener, timeout: float = 30.0) -> None:
     """Wait until the gateway's own KV-event intake has taken in every batch the test's
     listener saw (its per-rank sequence gauge), so the next route sees those blocks."""
-    deadline = time.monotonic() + timeout
-    for rank, seqs in events.seqs.items():
-        if not seqs:
-            continue
-        while metric_total(gateway, "rankgate_kv_event_sequence", rank=str(rank)) < max(seqs):
-            assert time.monotonic() < deadline, f"the gateway never took in rank {rank}'s events"
-            time.sleep(0.05)
+    seen = {rank: max(seqs) for rank, seqs in events.seqs.items() if seqs}
+
+    def taken() -> dict[int, float]:
+        return {
+            rank: metric_total(gateway, "rankgate_kv_event_sequence", rank=str(rank))
+            for rank in seen
+        }
+
+    wait_until(
+        lambda: all(taken()[rank] >= seq for rank, seq in seen.items()),
+        timeout,
+        lambda: f"the gateway took in sequences {taken()} of {seen}",
+    )
 
 
 def test_a_repeated_image_is_routed_to_the_rank_vllm_cached_it_on(

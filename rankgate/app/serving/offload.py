@@ -96,9 +96,13 @@ class _Work:
 class FinishOrderedPool:
     """Worker threads at the offload priority that take queued work soonest-due first."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(
+        self, workers: int, name: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.workers = workers
         self._name = name
+        # Injectable so that a test can age queued work without waiting.
+        self._clock = clock
         self._queue: queue.PriorityQueue[_Work] = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()
@@ -110,7 +114,7 @@ class FinishOrderedPool:
     def submit(self, run: Callable[[], _T], size: int) -> Future[_T]:
         """``run()`` on a worker, queued as due ``size`` bytes' worth after now."""
         future: Future[_T] = Future()
-        due = time.monotonic() + size * SECONDS_PER_BYTE
+        due = self._clock() + size * SECONDS_PER_BYTE
         self._queue.put(_Work(due, next(self._order), run, future))
         if self._started < self.workers:
             self._start()
