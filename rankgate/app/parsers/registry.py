@@ -272,18 +272,7 @@ def plan_for(
     single = parallel_tool_calls is False
     choice = "named" if named is not None else (tool_choice or ("auto" if tools else "none"))
     if harmony:
-        plan = OutputPlan(
-            harmony=(reasoning_parser == "openai_gptoss", tool_parser == "openai"),
-            named=choice == "named",
-            required=choice == "required",
-            single_call=single,
-            report_calls=choice != "none" and tool_parser == "openai",
-            needs_special_tokens=True,
-        )
-        tag = None
-        if tool_parser == "openai" and choice != "none":
-            tag = structural_tag("openai", _tag_tools(tools), choice, named, single)
-        return PlanResult(plan, structural_tag=tag)
+        return _harmony_plan(tool_parser, reasoning_parser, tools, choice, named, single)
     if tool_parser is None:
         if tools and choice in ("named", "required"):
             # vLLM's generic path: the engine is held to a JSON schema, the output read as it.
@@ -337,6 +326,29 @@ def plan_for(
         needs_special_tokens=keep_special,
     )
     return PlanResult(plan, schema=schema, structural_tag=tag)
+
+
+def _harmony_plan(
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    tools: list[Tool] | None,
+    choice: str,
+    named: str | None,
+    single: bool,
+) -> PlanResult:
+    """gpt-oss output: channels, not markers, so one plan covers reasoning and calls."""
+    plan = OutputPlan(
+        harmony=(reasoning_parser == "openai_gptoss", tool_parser == "openai"),
+        named=choice == "named",
+        required=choice == "required",
+        single_call=single,
+        report_calls=choice != "none" and tool_parser == "openai",
+        needs_special_tokens=True,
+    )
+    tag = None
+    if tool_parser == "openai" and choice != "none":
+        tag = structural_tag("openai", _tag_tools(tools), choice, named, single)
+    return PlanResult(plan, structural_tag=tag)
 
 
 def _tag_tools(tools: list[Tool] | None) -> list[tuple[str, dict[str, Any] | None, bool]]:
