@@ -131,6 +131,8 @@ class RankEngine:
         self.die_after_tokens: int | None = None
         # Extra seconds every step takes (a fault: a zero-latency engine made slow at will).
         self.step_delay = 0.0
+        # While set, a step waits here before it takes effect (a fault: requests held in place).
+        self.step_gate: asyncio.Event | None = None
         self.on_death: Callable[[], None] | None = None
         self.withhold_transfer: Callable[[], bool] | None = None
         # Prefill side: finished requests' blocks kept for a decode engine to read, by id.
@@ -360,6 +362,8 @@ class RankEngine:
                 await asyncio.sleep(0)
             if self.step_delay:
                 await asyncio.sleep(self.step_delay)
+            if self.step_gate is not None:
+                await self.step_gate.wait()
             self._apply(batch)
             self._publish()
 

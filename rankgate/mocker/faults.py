@@ -104,6 +104,19 @@ class Faults:
         for engine in self._group.engines.values():
             engine.step_delay = seconds
 
+    def hold_steps(self) -> None:
+        """Stop every engine before its next step takes effect, until :meth:`release_steps`:
+        each request stays where it is, waiting or running, for as long as a test looks."""
+        gate = asyncio.Event()
+        for engine in self._group.engines.values():
+            engine.step_gate = gate
+
+    def release_steps(self) -> None:
+        for engine in self._group.engines.values():
+            gate, engine.step_gate = engine.step_gate, None
+            if gate is not None:
+                gate.set()
+
     def kill_after_tokens(self, tokens: int) -> None:
         """Die as soon as any request has produced ``tokens`` tokens (mid-stream death)."""
         for engine in self._group.engines.values():

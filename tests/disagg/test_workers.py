@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -18,10 +17,9 @@ from tests.app.test_metrics import value
 from tests.app.test_workers import ROOT, _wait_ready
 from tests.conftest import TINY_TOKENIZER
 from tests.disagg.conftest import MODEL, Pair, engine_pair
+from tests.support.polling import wait_until
 from tests.support.ports import free_port
 
-# Each prompt prefills for about a second on the slowed prefill engine.
-SLOW_PREFILL = {"prefill_seconds_per_token": 4e-3}
 COUNT = 4
 
 
@@ -29,7 +27,7 @@ COUNT = 4
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pair]]:
     log = tmp_path_factory.mktemp("pd-workers") / "gateway.log"
     port = free_port()
-    with engine_pair(prefill=SLOW_PREFILL) as pair, log.open("wb") as sink:
+    with engine_pair() as pair, log.open("wb") as sink:
         process = subprocess.Popen(
             [
                 sys.executable, "-m", "rankgate.app.cli", "serve", "--workers", "2",
@@ -72,31 +70,58 @@ def ask(url: str, i: int, outcomes: list[int]) -> None:
         outcomes.append(client.post(f"{url}/v1/completions", json=body).status_code)
 
 
+def in_flight(text: str) -> dict[str, float]:
+    return {
+        side: value(text, "rankgate_routing_in_flight_requests", side=side)
+        for side in ("prefill", "decode")
+    }
+
+
 def test_both_sides_load_is_shared_and_labelled_by_side(served: tuple[str, Pair]) -> None:
     url, pair = served
     outcomes: list[int] = []
     threads = [threading.Thread(target=ask, args=(url, i, outcomes)) for i in range(COUNT)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    while pair.totals("prefill").running + pair.totals("prefill").waiting < COUNT:
-        assert time.monotonic() < deadline, "the prefills did not all start"
-        time.sleep(0.02)
-    # Every worker's prefill router counts all of them, wherever they were sent from; the
-    # decode side has none yet.
-    for _ in range(6):
-        text = scrape(url)
-        assert value(text, "rankgate_routing_in_flight_requests", side="prefill") == COUNT
-        assert value(text, "rankgate_routing_in_flight_requests", side="decode") == 0
+    # The prefill engine holds every request where it is until the scrapes are done: a prefill
+    # that finished between two scrapes would rightly leave the count, so the state asserted
+    # below must be one that lasts, however slowly the scrapes come on a busy machine.
+    pair.prefill.faults.hold_steps()
+    try:
+        for thread in threads:
+            thread.start()
+
+        def queued() -> int:
+            prefill = pair.totals("prefill")
+            return prefill.running + prefill.waiting
+
+        wait_until(
+            lambda: queued() == COUNT,
+            30,
+            lambda: f"the prefill engine holds {queued()} of the {COUNT} prefills",
+        )
+        # Each request was counted on its worker's row of the board before it was sent, so
+        # every worker's prefill router counts all of them, wherever they were sent from,
+        # at once; the decode side has none yet.
+        for scrape_number in range(6):
+            seen = in_flight(scrape(url))
+            assert seen == {"prefill": COUNT, "decode": 0}, (
+                f"scrape {scrape_number} showed {seen} in flight while the prefill engine "
+                f"held {queued()} requests"
+            )
+    finally:
+        pair.prefill.faults.release_steps()
     for thread in threads:
         thread.join(60)
     assert outcomes == [200] * COUNT
+
+    def decoded() -> float:
+        return value(scrape(url), "rankgate_routing_requests_total", side="decode")
+
+    wait_until(
+        lambda: decoded() == COUNT,
+        10,
+        lambda: f"the decode side counted {decoded()} of {COUNT} requests",
+    )
     text = scrape(url)
-    deadline = time.monotonic() + 10
-    while value(text, "rankgate_routing_requests_total", side="decode") < COUNT:
-        assert time.monotonic() < deadline, "the decode side's count never reached the total"
-        time.sleep(0.2)
-        text = scrape(url)
     assert value(text, "rankgate_routing_requests_total", side="prefill") == COUNT
     assert value(text, "rankgate_routing_in_flight_requests", side="prefill") == 0
     assert value(text, "rankgate_pd_prefills_total", where="remote", reason="pinned") == COUNT

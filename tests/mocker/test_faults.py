@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -97,4 +99,34 @@ def test_health_flapping_returns_to_serving() -> None:
             wait_until(lambda: not handle.faults.flapping(), 10, "the flapping over")
             assert health_of(c) == SERVING
         finally:
+            c.close()
+
+
+def test_held_steps_keep_requests_where_they_are_until_released() -> None:
+    with engine(kv_events_port=None) as handle:
+        c = Client(handle.target)
+        lengths: list[int] = []
+
+        def ask(seed: int) -> None:
+            final = c.stream(request(prompt(seed, 20)))[-1]
+            lengths.append(final.outputs.finish_info.num_output_tokens)
+
+        def held() -> int:
+            return sum(s.running + s.waiting for s in handle.all_stats().values())
+
+        threads = [threading.Thread(target=ask, args=(seed,)) for seed in (5, 6)]
+        try:
+            handle.faults.hold_steps()
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: held() == 2, 10, lambda: f"the engine holds {held()} of 2")
+            stats = handle.all_stats().values()
+            assert sum(s.generated_tokens + s.requests_served for s in stats) == 0
+            assert lengths == []
+            handle.faults.release_steps()
+            for thread in threads:
+                thread.join(30)
+            assert lengths == [4, 4]
+        finally:
+            handle.faults.release_steps()
             c.close()

@@ -88,6 +88,12 @@ class MockFaults:
     def slow_steps(self, seconds: float) -> None:
         self._handle.call(lambda: self._faults.slow_steps(seconds))
 
+    def hold_steps(self) -> None:
+        self._handle.call(self._faults.hold_steps)
+
+    def release_steps(self) -> None:
+        self._handle.call(self._faults.release_steps)
+
     def revive_engine(self) -> None:
         self._handle.run(self._faults.revive_engine())
 
