@@ -21,9 +21,15 @@ MAX_FUNCTION_LINES = 80
 # developer scripts (never installed) and the build script. Anything more would be a second
 # name for product code.
 DEVELOPMENT_NAMES = {"tests", "bench", "scripts", "setup"}
-# Fakes whose sleeps are the latency they simulate, each with what it stands in for.
-SIMULATED_LATENCY = {
-    "tests/support/polling.py": "the polling helper's own interval",
+# Sleeps that stand for time itself, each with what it stands for: the latency a fake
+# simulates, or a wait the real engine gives no state to replace.
+TIMED_SLEEPS = {
+    "tests/sidecar/fake_vllm.py": "a fake engine's time per token and a health check that stalls",
+    "tests/multimodal/test_fetch.py": "a server trickling its body past the fetch's deadline",
+    "tests/disagg/test_real_vllm_pd.py": (
+        "vLLM publishes a finished request's token counters late and says nothing when they are "
+        "complete: two reads a settling interval apart must agree"
+    ),
 }
 
 
@@ -104,3 +110,56 @@ def test_a_long_function_is_found() -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     assert long_functions(f"def f():\n{body}") == [("f", MAX_FUNCTION_LINES + 1)]
     assert long_functions("def g():\n    return 1\n") == []
+
+
+def fixed_sleeps(source: str) -> list[int]:
+    """Lines that sleep a non-zero constant: a literal, or a module-level name bound to one."""
+    tree = ast.parse(source)
+    constants = {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def fixed(arg: ast.expr) -> bool:
+        if isinstance(arg, ast.Constant):
+            return arg.value not in (0, 0.0, None)
+        if isinstance(arg, ast.UnaryOp | ast.BinOp):
+            return all(
+                fixed(child) for child in ast.iter_child_nodes(arg) if isinstance(child, ast.expr)
+            )
+        return isinstance(arg, ast.Name) and arg.id in constants
+
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == "sleep" and fixed(node.args[0]):
+            lines.append(node.lineno)
+    return lines
+
+
+def _test_modules() -> list[Path]:
+    here = ROOT / "tests"
+    return sorted(p for p in here.rglob("*.py") if _rel(p) not in TIMED_SLEEPS)
+
+
+@pytest.mark.parametrize("path", _test_modules(), ids=_rel)
+def test_tests_wait_for_states_not_times(path: Path) -> None:
+    lines = fixed_sleeps(path.read_text())
+    assert not lines, (
+        f"{_rel(path)} sleeps a fixed time at lines {lines}: wait for the state through "
+        "tests.support.polling, an event or an injected clock"
+    )
+
+
+def test_a_fixed_sleep_is_found() -> None:
+    source = (
+        "import asyncio, time\nDELAY = 0.5\n"
+        "time.sleep(1)\nawait_it = asyncio.sleep(DELAY)\ntime.sleep(0)\ntime.sleep(interval)\n"
+    )
+    assert fixed_sleeps(source) == [3, 4]
