@@ -77,6 +77,8 @@ _MAX_SAMPLE_RATE = 384_000
 # before a clip counts as truncated.
 _EXACT_DURATIONS = frozenset({"wav", "flac", "mp4"})
 _TRUNCATION_SLACK = 0.05
+# Chunks walked to find a WAV's data chunk (fmt, fact, LIST, ... come before it).
+_WAV_MAX_CHUNKS = 32
 
 
 class ClipLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +165,27 @@ def _declared_seconds(stream: Any, container: Any) -> float | None:
     return None
 
 
+def _wav_declared_seconds(data: bytes) -> float | None:
+    """The seconds a WAV's own header declares: its data chunk's size over its byte rate.
+
+    FFmpeg's demuxer clamps a data size larger than the file to the bytes present, so the
+    duration it reports never shows what the header claims; this reads the claim itself.
+    ``0`` and ``0xFFFFFFFF`` are the sizes streaming writers leave when they cannot know it.
+    """
+    at, byte_rate, chunks = 12, 0, 0
+    while at + 8 <= len(data) and chunks < _WAV_MAX_CHUNKS:
+        name, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
+        if name == b"fmt " and size >= 16 and at + 24 <= len(data):
+            byte_rate = int.from_bytes(data[at + 16 : at + 20], "little")
+        elif name == b"data":
+            if byte_rate <= 0 or size in (0, 0xFFFFFFFF):
+                return None
+            return size / byte_rate
+        at += 8 + size + (size & 1)
+        chunks += 1
+    return None
+
+
 def _over(kind: str, what: str, limit: float, unit: str) -> MediaRefused:
     return MediaRefused(f"{kind} {what}, over the limit of {limit:g} {unit}")
 
@@ -179,8 +202,10 @@ def _probe_audio(opened: Any, container: str, data: bytes, limits: ClipLimits) -
     if not 0 < rate <= _MAX_SAMPLE_RATE:
         raise MediaRefused(f"audio sample rate {rate} is out of range (1 to {_MAX_SAMPLE_RATE})")
     declared = _declared_seconds(stream, opened)
-    if declared is not None and declared > limits.max_seconds:
-        raise _over("audio", f"declares {declared:.1f} s", limits.max_seconds, "s")
+    claimed = _wav_declared_seconds(data) if container == "wav" else None
+    for said in (declared, claimed):
+        if said is not None and said > limits.max_seconds:
+            raise _over("audio", f"declares {said:.1f} s", limits.max_seconds, "s")
     context.thread_count = 1
     max_samples = int(limits.max_seconds * rate)
     samples = 0
