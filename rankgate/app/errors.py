@@ -90,6 +90,21 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
+def media_refused(status: int, message: str, noun: str) -> ApiError:
+    """A media item the gateway refused (``noun``: image, audio, video): a 503 to retry when
+    its decoders could not take it now, else an ``invalid_<noun>``."""
+    if status == 503:
+        return ApiError(
+            503,
+            message,
+            type=UNAVAILABLE,
+            param="messages",
+            code="decoders_unavailable",
+            retry_after=1,
+        )
+    return ApiError(status, message, param="messages", code=f"invalid_{noun}")
+
+
 # nginx's status for a request whose client closed the connection before the answer.
 CLIENT_CLOSED = 499
 

@@ -6,8 +6,9 @@ trusted: an audio clip is decoded in full, counting samples as it goes, and refu
 it passes the duration or decoded-size limit (a header may claim one second and the data hold
 an hour); a video's packets are counted without decoding them, which gives its true frame
 count and span, and only its first frame is decoded, to prove the codec can. So the work a
-clip costs is bounded by the limits, whatever it declares, and it is always done on a worker
-thread (:class:`ClipDecoder`), never on the event loop.
+clip costs is bounded by the limits, whatever it declares, and it is always done in one of the
+gateway's decoder processes (:class:`ClipDecoder`, :mod:`rankgate.multimodal.isolation`), never
+in the gateway's own.
 
 Identity is the same as for images: BLAKE3 over the bytes sent
 (:mod:`rankgate.multimodal.identity`).
@@ -28,6 +29,7 @@ import msgspec
 
 from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import content_identity
+from rankgate.multimodal.isolation import DecoderPool
 from rankgate.multimodal.lru import BoundedLRU
 from rankgate.multimodal.types import MediaKind
 
@@ -136,7 +138,9 @@ def sniff_container(data: bytes) -> str | None:
 
 
 def probe_clip(data: bytes, limits: ClipLimits) -> ProbedClip:
-    """Validate and measure ``data``; blocking, meant for a worker thread."""
+    """Validate and measure ``data``; blocking, and in the gateway meant for a decoder process.
+
+    Running out of memory is not a refusal: the decoder process reports it as such."""
     kind = limits.kind
     if not data:
         raise MediaRefused(f"empty {kind} data")
@@ -151,7 +155,7 @@ def probe_clip(data: bytes, limits: ClipLimits) -> ProbedClip:
             if kind == "audio":
                 return _probe_audio(opened, container, data, limits)
             return _probe_video(opened, container, data, limits)
-    except MediaRefused:
+    except (MediaRefused, MemoryError):
         raise
     except (av.FFmpegError, EOFError, ValueError, OverflowError, ZeroDivisionError) as exc:
         raise MediaRefused(f"corrupt or truncated {container} {kind}: {exc}") from None
@@ -321,16 +325,22 @@ def _decode_first_frame(data: bytes, container: str, limits: ClipLimits) -> None
 
 
 class ClipDecoder:
-    """Runs :func:`probe_clip` on its own thread pool and remembers recent results.
+    """Runs :func:`probe_clip` in ``pool``'s decoder processes and remembers recent results.
 
     As for images, the memo is keyed by a digest of the bytes, so a conversation that resends
-    the same clip every turn pays one hash for it, not a decode. At most ``workers * 2`` jobs
-    are handed to the pool at once; the rest wait on the event loop.
+    the same clip every turn pays one hash for it, not a decode. Threads hash, recall and wait
+    on the decoders; at most ``workers * 2`` jobs are handed to them at once, the rest wait on
+    the event loop, and the pool refuses jobs past its queue.
     """
 
-    def __init__(self, audio: ClipLimits, video: ClipLimits, workers: int, memo: int) -> None:
-        self._limits = {"audio": audio, "video": video}
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-clip")
+    def __init__(self, audio: ClipLimits, video: ClipLimits, pool: DecoderPool, memo: int) -> None:
+        self._params = {
+            "audio": msgspec.msgpack.encode(audio),
+            "video": msgspec.msgpack.encode(video),
+        }
+        self._pool = pool
+        workers = pool.limits.workers
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-clip")
         self._slots = asyncio.Semaphore(workers * 2)
         self._memo: BoundedLRU[bytes, ProbedClip] = BoundedLRU(memo, cost=lambda _: 256)
         self._memo_lock = threading.Lock()
@@ -338,9 +348,10 @@ class ClipDecoder:
         self.recalled = 0
 
     async def probe(self, kind: MediaKind, data: bytes) -> ProbedClip:
-        async with self._slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self._probe_or_recall, kind, data)
+        with self._pool.admitted():
+            async with self._slots:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._threads, self._probe_or_recall, kind, data)
 
     def _probe_or_recall(self, kind: MediaKind, data: bytes) -> ProbedClip:
         digest = hashlib.sha256(kind.encode() + b"\x00")
@@ -352,11 +363,11 @@ class ClipDecoder:
                 self.recalled += 1
         if hit is not None:
             return msgspec.structs.replace(hit, data=data)
-        probed = probe_clip(data, self._limits[kind])
+        probed = self._pool.run("clip", self._params[kind], data, ProbedClip)
         with self._memo_lock:
             self.decoded += 1
-            self._memo.put(key, msgspec.structs.replace(probed, data=b""))
-        return probed
+            self._memo.put(key, probed)
+        return msgspec.structs.replace(probed, data=data)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -7,6 +7,7 @@ import pytest
 from rankgate.multimodal.clips import ClipDecoder, ClipLimits, probe_clip, sniff_container
 from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import content_identity
+from rankgate.multimodal.isolation import DecoderLimits, DecoderPool
 from tests.multimodal.clips import encoded_audio, video, wav, wav_declaring
 
 AUDIO = ClipLimits(
@@ -189,7 +190,8 @@ def test_a_webm_running_past_the_limit_is_caught_from_its_packets() -> None:
 
 
 async def test_the_decoder_probes_each_clip_once_and_recalls_it() -> None:
-    decoder = ClipDecoder(AUDIO, VIDEO, workers=1, memo=1 << 20)
+    pool = DecoderPool(DecoderLimits(workers=1))
+    decoder = ClipDecoder(AUDIO, VIDEO, pool, memo=1 << 20)
     try:
         data = wav(1.0, tone=123.0)
         first = await decoder.probe("audio", data)
@@ -199,5 +201,8 @@ async def test_the_decoder_probes_each_clip_once_and_recalls_it() -> None:
         # The same bytes as another kind are another question.
         with pytest.raises(MediaRefused, match="video container wav is not allowed"):
             await decoder.probe("video", data)
+        assert first.data is data
+        assert pool.started == 1
     finally:
         decoder.close()
+        pool.close()

@@ -9,7 +9,7 @@ import msgspec
 import orjson
 
 from rankgate.app.edge.limits import InputLimits, check_engine_json, check_fanout, check_json_text
-from rankgate.app.errors import ApiError, invalid, unsupported
+from rankgate.app.errors import ApiError, invalid, media_refused, unsupported
 from rankgate.app.parsers import OutputPlan, Tool, Vocabulary, plan_for
 from rankgate.app.prepare.media import MediaHook
 from rankgate.app.prepare.params import (
@@ -572,10 +572,7 @@ class ChatPreparer:
         except MediaOverBudget:
             raise
         except MediaError as exc:
-            noun = exc.label.partition(" ")[0]
-            raise ApiError(
-                exc.status, exc.message, param="messages", code=f"invalid_{noun}"
-            ) from None
+            raise media_refused(exc.status, exc.message, exc.label.partition(" ")[0]) from None
         return media, positions
 
     def observe(self, prepared: PreparedChat, first: Delta | None) -> None:
