@@ -174,3 +174,15 @@ def test_a_full_decoder_queue_is_a_503_to_retry() -> None:
         assert response.headers["retry-after"] == "1"
         assert http.post("/v1/chat/completions", json=body(two[0])).status_code == 200
     preparer.decoders.close()
+
+
+def test_decoder_flags_reach_the_media_config() -> None:
+    from rankgate.app.cli import build_parser, settings_from_args
+
+    argv = ["serve", "--decode-workers", "3", "--decode-queue", "0", "--decode-timeout", "2.5"]
+    argv += ["--decode-cpu-seconds", "4", "--decode-memory", str(300 << 20)]
+    media = settings_from_args(build_parser().parse_args(argv)).media
+    assert (media.decode_workers, media.decode_queue, media.decode_timeout) == (3, 0, 2.5)
+    assert (media.decode_cpu_seconds, media.decode_memory_bytes) == (4, 300 << 20)
+    with pytest.raises(SystemExit, match="decode_memory_bytes must be at least 268435456"):
+        settings_from_args(build_parser().parse_args(["serve", "--decode-memory", "1000"]))
