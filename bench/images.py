@@ -2,7 +2,7 @@
 
 Prints one table. ``decode+hash`` runs :func:`rankgate.multimodal.decode.decode_image` (Pillow
 decode, EXIF check, RGB conversion, SHA-256 of the pixels) on one thread, then through the decoder
-pool with its memo off; ``prepare`` times :meth:`MediaPreparer.prepare` for one data-URI image
+processes with the memo off; ``prepare`` times :meth:`MediaPreparer.prepare` for one data-URI image
 as the app calls it (base64 decoding and the thread hop included), cold and as a repeat that
 the decode memo answers (a chat resending its images every turn).
 
@@ -25,6 +25,7 @@ from PIL import Image, ImageFilter
 
 from rankgate.multimodal import MediaConfig, MediaPreparer, MediaRef
 from rankgate.multimodal.decode import DecodeLimits, ImageDecoder, decode_image
+from rankgate.multimodal.isolation import DecoderLimits, DecoderPool
 
 SIDE = 1024
 
@@ -71,7 +72,8 @@ def bench_sync(jpeg: bytes, seconds: float) -> None:
 
 
 async def bench_pool(jpeg: bytes, seconds: float, workers: int) -> None:
-    decoder = ImageDecoder(DecodeLimits(("JPEG",), SIDE * SIDE), workers, memo_bytes=0)
+    pool = DecoderPool(DecoderLimits(workers=workers))
+    decoder = ImageDecoder(DecodeLimits(("JPEG",), SIDE * SIDE), pool, memo_bytes=0)
     samples: list[float] = []
     end = time.perf_counter() + seconds
 
@@ -85,6 +87,7 @@ async def bench_pool(jpeg: bytes, seconds: float, workers: int) -> None:
     await asyncio.gather(*(one_client() for _ in range(workers * 2)))
     elapsed = time.perf_counter() - started
     decoder.close()
+    pool.close()
     row(f"decode+hash, pool of {workers}", len(samples) / elapsed, samples)
 
 

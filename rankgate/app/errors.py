@@ -199,6 +199,17 @@ def _itself(exc: ApiError) -> ApiError:
 
 
 def _media(exc: MediaError) -> ApiError:
+    """A media item the gateway refused: a 503 to retry when its decoders could not take it
+    now, else an ``invalid_<noun>`` (image, audio, video)."""
+    if exc.status == 503:
+        return ApiError(
+            503,
+            exc.message,
+            type=UNAVAILABLE,
+            param="messages",
+            code="decoders_unavailable",
+            retry_after=1,
+        )
     noun = exc.label.partition(" ")[0]
     return ApiError(exc.status, exc.message, param="messages", code=f"invalid_{noun}")
 

@@ -6,8 +6,9 @@ trusted: an audio clip is decoded in full, counting samples as it goes, and refu
 it passes the duration or decoded-size limit (a header may claim one second and the data hold
 an hour); a video's packets are counted without decoding them, which gives its true frame
 count and span, and only its first frame is decoded, to prove the codec can. So the work a
-clip costs is bounded by the limits, whatever it declares, and it is always done on a worker
-thread (:class:`ClipDecoder`), never on the event loop.
+clip costs is bounded by the limits, whatever it declares, and it is always done in one of the
+gateway's decoder processes (:class:`ClipDecoder`, :mod:`rankgate.multimodal.isolation`), never
+in the gateway's own.
 
 Identity is the same as for images: BLAKE3 over the bytes sent
 (:mod:`rankgate.multimodal.identity`).
@@ -28,6 +29,7 @@ import msgspec
 
 from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import content_identity
+from rankgate.multimodal.isolation import DecoderPool
 from rankgate.multimodal.lru import BoundedLRU
 from rankgate.multimodal.types import MediaKind
 
@@ -77,6 +79,8 @@ _MAX_SAMPLE_RATE = 384_000
 # before a clip counts as truncated.
 _EXACT_DURATIONS = frozenset({"wav", "flac", "mp4"})
 _TRUNCATION_SLACK = 0.05
+# Chunks walked to find a WAV's data chunk (fmt, fact, LIST, ... come before it).
+_WAV_MAX_CHUNKS = 32
 
 
 class ClipLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,7 +138,9 @@ def sniff_container(data: bytes) -> str | None:
 
 
 def probe_clip(data: bytes, limits: ClipLimits) -> ProbedClip:
-    """Validate and measure ``data``; blocking, meant for a worker thread."""
+    """Validate and measure ``data``; blocking, and in the gateway meant for a decoder process.
+
+    Running out of memory is not a refusal: the decoder process reports it as such."""
     kind = limits.kind
     if not data:
         raise MediaRefused(f"empty {kind} data")
@@ -149,7 +155,7 @@ def probe_clip(data: bytes, limits: ClipLimits) -> ProbedClip:
             if kind == "audio":
                 return _probe_audio(opened, container, data, limits)
             return _probe_video(opened, container, data, limits)
-    except MediaRefused:
+    except (MediaRefused, MemoryError):
         raise
     except (av.FFmpegError, EOFError, ValueError, OverflowError, ZeroDivisionError) as exc:
         raise MediaRefused(f"corrupt or truncated {container} {kind}: {exc}") from None
@@ -160,6 +166,27 @@ def _declared_seconds(stream: Any, container: Any) -> float | None:
         return float(stream.duration * stream.time_base)
     if container.duration:
         return float(container.duration) / 1_000_000
+    return None
+
+
+def _wav_declared_seconds(data: bytes) -> float | None:
+    """The seconds a WAV's own header declares: its data chunk's size over its byte rate.
+
+    FFmpeg's demuxer clamps a data size larger than the file to the bytes present, so the
+    duration it reports never shows what the header claims; this reads the claim itself.
+    ``0`` and ``0xFFFFFFFF`` are the sizes streaming writers leave when they cannot know it.
+    """
+    at, byte_rate, chunks = 12, 0, 0
+    while at + 8 <= len(data) and chunks < _WAV_MAX_CHUNKS:
+        name, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
+        if name == b"fmt " and size >= 16 and at + 24 <= len(data):
+            byte_rate = int.from_bytes(data[at + 16 : at + 20], "little")
+        elif name == b"data":
+            if byte_rate <= 0 or size in (0, 0xFFFFFFFF):
+                return None
+            return size / byte_rate
+        at += 8 + size + (size & 1)
+        chunks += 1
     return None
 
 
@@ -179,8 +206,10 @@ def _probe_audio(opened: Any, container: str, data: bytes, limits: ClipLimits) -
     if not 0 < rate <= _MAX_SAMPLE_RATE:
         raise MediaRefused(f"audio sample rate {rate} is out of range (1 to {_MAX_SAMPLE_RATE})")
     declared = _declared_seconds(stream, opened)
-    if declared is not None and declared > limits.max_seconds:
-        raise _over("audio", f"declares {declared:.1f} s", limits.max_seconds, "s")
+    claimed = _wav_declared_seconds(data) if container == "wav" else None
+    for said in (declared, claimed):
+        if said is not None and said > limits.max_seconds:
+            raise _over("audio", f"declares {said:.1f} s", limits.max_seconds, "s")
     context.thread_count = 1
     max_samples = int(limits.max_seconds * rate)
     samples = 0
@@ -296,16 +325,22 @@ def _decode_first_frame(data: bytes, container: str, limits: ClipLimits) -> None
 
 
 class ClipDecoder:
-    """Runs :func:`probe_clip` on its own thread pool and remembers recent results.
+    """Runs :func:`probe_clip` in ``pool``'s decoder processes and remembers recent results.
 
     As for images, the memo is keyed by a digest of the bytes, so a conversation that resends
-    the same clip every turn pays one hash for it, not a decode. At most ``workers * 2`` jobs
-    are handed to the pool at once; the rest wait on the event loop.
+    the same clip every turn pays one hash for it, not a decode. Threads hash, recall and wait
+    on the decoders; at most ``workers * 2`` jobs are handed to them at once, the rest wait on
+    the event loop, and the pool refuses jobs past its queue.
     """
 
-    def __init__(self, audio: ClipLimits, video: ClipLimits, workers: int, memo: int) -> None:
-        self._limits = {"audio": audio, "video": video}
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-clip")
+    def __init__(self, audio: ClipLimits, video: ClipLimits, pool: DecoderPool, memo: int) -> None:
+        self._params = {
+            "audio": msgspec.msgpack.encode(audio),
+            "video": msgspec.msgpack.encode(video),
+        }
+        self._pool = pool
+        workers = pool.limits.workers
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-clip")
         self._slots = asyncio.Semaphore(workers * 2)
         self._memo: BoundedLRU[bytes, ProbedClip] = BoundedLRU(memo, cost=lambda _: 256)
         self._memo_lock = threading.Lock()
@@ -313,9 +348,10 @@ class ClipDecoder:
         self.recalled = 0
 
     async def probe(self, kind: MediaKind, data: bytes) -> ProbedClip:
-        async with self._slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self._probe_or_recall, kind, data)
+        with self._pool.admitted():
+            async with self._slots:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._threads, self._probe_or_recall, kind, data)
 
     def _probe_or_recall(self, kind: MediaKind, data: bytes) -> ProbedClip:
         digest = hashlib.sha256(kind.encode() + b"\x00")
@@ -327,11 +363,11 @@ class ClipDecoder:
                 self.recalled += 1
         if hit is not None:
             return msgspec.structs.replace(hit, data=data)
-        probed = probe_clip(data, self._limits[kind])
+        probed = self._pool.run("clip", self._params[kind], data, ProbedClip)
         with self._memo_lock:
             self.decoded += 1
-            self._memo.put(key, msgspec.structs.replace(probed, data=b""))
-        return probed
+            self._memo.put(key, probed)
+        return msgspec.structs.replace(probed, data=data)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)

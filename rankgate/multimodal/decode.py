@@ -1,7 +1,9 @@
-"""Image validation and decoding with Pillow, always on a bounded worker pool.
+"""Image validation and decoding with Pillow, always in a decoder process.
 
-Pillow decodes and ``hashlib`` hashes with the GIL released, so a few threads give real
-parallelism while the event loop only awaits. Every refusal is an :class:`MediaRefused` with
+Pillow parses hostile bytes in C, so it runs in the gateway's decoder processes
+(:mod:`rankgate.multimodal.isolation`), header reads included; the gateway keeps the memo of
+what they found, and a few threads that hash, recall and wait on them while the event loop
+only awaits. Every refusal is an :class:`MediaRefused` with
 a reason a client can act on: format not allowed, too many pixels (decompression bombs are
 refused from the header, before any pixel is decoded), truncated or corrupt data. The header
 alone (:func:`image_size`) is enough to check a request's images against its token budget
@@ -15,6 +17,7 @@ import hashlib
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
 
 import msgspec
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -22,6 +25,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from rankgate.multimodal.datauri import parse_data_uri
 from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import canonical_rgb, content_identity
+from rankgate.multimodal.isolation import DecoderPool
 from rankgate.multimodal.lru import BoundedLRU
 
 _EXIF_ORIENTATION = 0x0112
@@ -69,12 +73,28 @@ class DecodedImage(msgspec.Struct, frozen=True):
     data: bytes
 
 
-class _Recalled(msgspec.Struct, frozen=True):
-    uuid: str
-    width: int
-    height: int
+_Side = Annotated[int, msgspec.Meta(ge=1)]
+_Size = tuple[_Side, _Side]
+
+
+class _HeaderSize(msgspec.Struct, frozen=True, array_like=True):
+    """:func:`image_size` as a decoder process answers it: ``[width, height]``."""
+
+    width: _Side
+    height: _Side
+
+
+class ImageFacts(msgspec.Struct, frozen=True):
+    """What a decoder process found in an image, without the bytes the gateway already has:
+    ``reencoded`` is the upright PNG when EXIF orientation was applied, and ``header`` the
+    size the header states, before orientation."""
+
+    uuid: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    width: _Side
+    height: _Side
     mime_type: str
     reencoded: bytes | None
+    header: _Size
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -107,6 +127,8 @@ def _open(data: bytes, limits: DecodeLimits) -> Image.Image:
         raise MediaRefused(f"corrupt or unrecognised image data (allowed: {allowed})") from None
     except Image.DecompressionBombError as exc:
         raise MediaRefused(f"decompression bomb refused: {exc}") from None
+    except MemoryError:
+        raise
     except Exception as exc:  # Pillow's parsers raise many types on hostile headers.
         raise MediaRefused(f"corrupt {sniff_format(data) or 'image'} header: {exc}") from None
     width, height = image.size
@@ -123,7 +145,22 @@ def _open(data: bytes, limits: DecodeLimits) -> Image.Image:
 
 
 def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
-    """Validate and decode ``data``; blocking, meant for a worker thread."""
+    """Validate and decode ``data``; blocking, and in the gateway meant for a decoder process.
+
+    Running out of memory is not a refusal: the decoder process reports it as such."""
+    return _decode(data, limits)[0]
+
+
+def image_facts(data: bytes, limits: DecodeLimits) -> ImageFacts:
+    """:func:`decode_image`'s findings, as a decoder process answers them."""
+    decoded, header = _decode(data, limits)
+    reencoded = decoded.data if decoded.data is not data else None
+    return ImageFacts(
+        decoded.uuid, decoded.width, decoded.height, decoded.mime_type, reencoded, header
+    )
+
+
+def _decode(data: bytes, limits: DecodeLimits) -> tuple[DecodedImage, tuple[int, int]]:
     with _open(data, limits) as image:
         width, height = image.size
         fmt = image.format or "unknown"
@@ -131,6 +168,8 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
             image.load()
             orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
             upright = ImageOps.exif_transpose(image) if orientation != 1 else image
+        except MemoryError:
+            raise
         except Exception as exc:
             text = str(exc)
             if "truncated" in text or isinstance(exc, EOFError):
@@ -143,7 +182,7 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
                 height=height,
                 mime_type=Image.MIME.get(fmt, "application/octet-stream"),
                 data=data,
-            )
+            ), (width, height)
         rgb = canonical_rgb(upright)
         buffer = io.BytesIO()
         rgb.save(buffer, format="PNG", compress_level=1)
@@ -154,22 +193,27 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
             height=rgb.height,
             mime_type="image/png",
             data=turned,
-        )
+        ), (width, height)
 
 
 class ImageDecoder:
-    """Runs :func:`decode_image` on its own thread pool and remembers recent results.
+    """Runs :func:`decode_image` and :func:`image_size` in ``pool``'s decoder processes and
+    remembers recent results.
 
     The memo is keyed by a digest of the transport bytes, so a chat that resends the same
-    images on every turn pays one hash per image instead of a decode. At most ``workers * 2``
-    jobs are handed to the pool at once; the rest wait on the event loop.
+    images on every turn pays one hash per image instead of a decode, and its header size
+    is recalled too. Threads hash, recall and wait on the decoders; at most ``workers * 2``
+    jobs are handed to them at once, the rest wait on the event loop, and the pool refuses
+    jobs past its queue.
     """
 
-    def __init__(self, limits: DecodeLimits, workers: int, memo_bytes: int) -> None:
-        self._limits = limits
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-image")
+    def __init__(self, limits: DecodeLimits, pool: DecoderPool, memo_bytes: int) -> None:
+        self._params = msgspec.msgpack.encode(limits)
+        self._pool = pool
+        workers = pool.limits.workers
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rankgate-image")
         self._slots = asyncio.Semaphore(workers * 2)
-        self._memo: BoundedLRU[bytes, _Recalled] = BoundedLRU(
+        self._memo: BoundedLRU[bytes, ImageFacts] = BoundedLRU(
             memo_bytes, cost=lambda r: 256 + (len(r.reencoded) if r.reencoded else 0)
         )
         self._memo_lock = threading.Lock()
@@ -177,50 +221,57 @@ class ImageDecoder:
         self.recalled = 0
 
     async def decode(self, data: bytes) -> DecodedImage:
-        async with self._slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self._decode_or_recall, data)
+        with self._pool.admitted():
+            async with self._slots:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._threads, self._decode_or_recall, data)
 
     async def data_uri_bytes(self, uri: str, max_bytes: int, kind: str = "image") -> bytes:
-        """The payload of a ``data:`` URI of ``kind``, base64-decoded on the pool."""
+        """The payload of a ``data:`` URI of ``kind``, base64-decoded on a thread."""
         async with self._slots:
             loop = asyncio.get_running_loop()
-            _, data = await loop.run_in_executor(self._pool, parse_data_uri, uri, max_bytes, kind)
+            _, data = await loop.run_in_executor(
+                self._threads, parse_data_uri, uri, max_bytes, kind
+            )
             return data
 
     async def size(self, data: bytes) -> tuple[int, int]:
-        """:func:`image_size` on the pool: what a budget can be checked against before any
+        """:func:`image_size`, or the memo's: what a budget can be checked against before any
         pixel is decoded."""
-        async with self._slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, image_size, data, self._limits)
+        with self._pool.admitted():
+            async with self._slots:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._threads, self._size_or_recall, data)
+
+    def _recall(self, key: bytes) -> ImageFacts | None:
+        with self._memo_lock:
+            return self._memo.get(key)
+
+    def _size_or_recall(self, data: bytes) -> tuple[int, int]:
+        hit = self._recall(hashlib.sha256(data).digest())
+        if hit is not None:
+            return hit.header
+        size = self._pool.run("image_size", self._params, data, _HeaderSize)
+        return size.width, size.height
 
     def _decode_or_recall(self, data: bytes) -> DecodedImage:
         key = hashlib.sha256(data).digest()
-        with self._memo_lock:
-            hit = self._memo.get(key)
-            if hit is not None:
+        facts = self._recall(key)
+        if facts is not None:
+            with self._memo_lock:
                 self.recalled += 1
-        if hit is not None:
-            return DecodedImage(
-                uuid=hit.uuid,
-                width=hit.width,
-                height=hit.height,
-                mime_type=hit.mime_type,
-                data=hit.reencoded if hit.reencoded is not None else data,
-            )
-        decoded = decode_image(data, self._limits)
-        remembered = _Recalled(
-            uuid=decoded.uuid,
-            width=decoded.width,
-            height=decoded.height,
-            mime_type=decoded.mime_type,
-            reencoded=decoded.data if decoded.data is not data else None,
+        else:
+            facts = self._pool.run("image", self._params, data, ImageFacts)
+            with self._memo_lock:
+                self.decoded += 1
+                self._memo.put(key, facts)
+        return DecodedImage(
+            uuid=facts.uuid,
+            width=facts.width,
+            height=facts.height,
+            mime_type=facts.mime_type,
+            data=facts.reencoded if facts.reencoded is not None else data,
         )
-        with self._memo_lock:
-            self.decoded += 1
-            self._memo.put(key, remembered)
-        return decoded
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -19,6 +19,7 @@ from rankgate.multimodal.expansion import (
 )
 from rankgate.multimodal.fetch import ImageFetcher, parse_url
 from rankgate.multimodal.identity import url_identity
+from rankgate.multimodal.isolation import DEFAULT_HANDLER, DecoderLimits, DecoderPool
 from rankgate.multimodal.types import MediaConfig, MediaKind, MediaRef
 from rankgate.sidecar.types import EngineInfo, MediaInput
 
@@ -32,10 +33,12 @@ _Loaded = DecodedImage | ProbedClip | str
 class MediaPreparer:
     """Fetches, validates, decodes and identifies a request's media, all concurrently.
 
-    Build one per process and share it: it owns the HTTP client, the fetch cache, the decode
-    pool and the learned token counts. ``model_id`` picks the token-count formula (see
-    :mod:`rankgate.multimodal.expansion`); the app reports vLLM's expanded prompt lengths through
-    :meth:`observe` so that other models' counts are learnt.
+    Build one per process and share it: it owns the HTTP client, the fetch cache, the decoder
+    processes (started on the first item to decode) and the learned token counts. ``model_id``
+    picks the token-count formula (see :mod:`rankgate.multimodal.expansion`); the app reports
+    vLLM's expanded prompt lengths through :meth:`observe` so that other models' counts are
+    learnt. ``decoder`` names the function the decoder processes run (``module:function``):
+    only tests name another.
     """
 
     def __init__(
@@ -44,13 +47,24 @@ class MediaPreparer:
         *,
         model_id: str = "",
         resolver: Resolver | None = None,
+        decoder: str = DEFAULT_HANDLER,
     ) -> None:
         self.config = config or MediaConfig()
         self._policy = AddressPolicy(self.config.allowed_networks, resolver)
         self.fetcher = ImageFetcher(self.config, self._policy)
+        self.decoders = DecoderPool(
+            DecoderLimits(
+                workers=self.config.decode_workers,
+                queue=self.config.decode_queue,
+                timeout=self.config.decode_timeout,
+                cpu_seconds=self.config.decode_cpu_seconds,
+                memory_bytes=self.config.decode_memory_bytes,
+            ),
+            decoder,
+        )
         self.decoder = ImageDecoder(
             DecodeLimits(self.config.allowed_formats, self.config.max_pixels),
-            self.config.decode_workers,
+            self.decoders,
             self.config.decode_memo_bytes,
         )
         self.clips = ClipDecoder(
@@ -67,7 +81,7 @@ class MediaPreparer:
                 max_frames=self.config.max_video_frames,
                 max_frame_pixels=self.config.max_video_frame_pixels,
             ),
-            self.config.decode_workers,
+            self.decoders,
             self.config.decode_memo_bytes,
         )
         self._most: dict[MediaKind, int] = {
@@ -368,3 +382,4 @@ class MediaPreparer:
         await self.fetcher.aclose()
         self.decoder.close()
         self.clips.close()
+        self.decoders.close()

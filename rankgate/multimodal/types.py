@@ -16,6 +16,8 @@ _KNOWN_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF",
 # Containers the gateway can tell by their first bytes (see :mod:`rankgate.multimodal.clips`).
 KNOWN_AUDIO_CONTAINERS = frozenset({"wav", "flac", "mp3", "ogg", "webm", "mp4"})
 KNOWN_VIDEO_CONTAINERS = frozenset({"mp4", "webm", "avi"})
+# A decoder process's address space with Pillow and FFmpeg loaded is about 170 MiB.
+MIN_DECODE_MEMORY = 256 << 20
 
 
 class MediaRef(msgspec.Struct, frozen=True):
@@ -54,7 +56,13 @@ class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CIDR networks that may be fetched even though they are loopback, private or link-local.
     allowed_networks: tuple[str, ...] = ()
     fetch_cache_bytes: int = 256 << 20
+    # Decoder processes (rankgate.multimodal.isolation): how many, how many jobs may wait for
+    # one, and what one job may use of wall time, CPU time and address space.
     decode_workers: int = 2
+    decode_queue: int = 64
+    decode_timeout: float = 20.0
+    decode_cpu_seconds: int = 10
+    decode_memory_bytes: int = 1 << 30
     decode_memo_bytes: int = 64 << 20
     learned_token_entries: int = 65536
     token_family: TokenFamily = "auto"
@@ -86,6 +94,9 @@ class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
             "max_pixels": self.max_pixels,
             "max_connections": self.max_connections,
             "decode_workers": self.decode_workers,
+            "decode_timeout": self.decode_timeout,
+            "decode_cpu_seconds": self.decode_cpu_seconds,
+            "decode_memory_bytes": self.decode_memory_bytes,
             "learned_token_entries": self.learned_token_entries,
             "qwen_patch_size": self.qwen_patch_size,
             "qwen_merge_size": self.qwen_merge_size,
@@ -110,6 +121,13 @@ class MediaConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_redirects < 0 or self.fetch_cache_bytes < 0 or self.decode_memo_bytes < 0:
             raise ValueError("max_redirects and cache sizes must be >= 0")
+        if self.decode_queue < 0:
+            raise ValueError(f"decode_queue must be >= 0, got {self.decode_queue}")
+        if self.decode_memory_bytes < MIN_DECODE_MEMORY:
+            raise ValueError(
+                f"decode_memory_bytes must be at least {MIN_DECODE_MEMORY} (Pillow and FFmpeg "
+                f"alone take about 170 MiB of address space), got {self.decode_memory_bytes}"
+            )
         if self.qwen_max_pixels < self.qwen_min_pixels:
             raise ValueError("qwen_max_pixels must be >= qwen_min_pixels")
         if not self.allowed_formats:

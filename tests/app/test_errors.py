@@ -318,6 +318,14 @@ TABLE: list[tuple[BaseException, int, str, str | None, str | None, str | None]] 
     ),
     (MediaError(2, "broken"), 400, "invalid_request_error", "invalid_image", "messages", None),
     (
+        MediaError(0, "decoders busy", 503, "image 0"),
+        503,
+        "service_unavailable_error",
+        "decoders_unavailable",
+        "messages",
+        "1",
+    ),
+    (
         MediaOverBudget(900, 100),
         400,
         "invalid_request_error",

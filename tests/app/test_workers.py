@@ -22,6 +22,7 @@ from rankgate.mocker.config import MockEngineConfig
 from tests.app.processes import answers_ready, wait_ready
 from tests.app.test_metrics import value
 from tests.conftest import TINY_TOKENIZER
+from tests.multimodal.pictures import data_uri, encode, noise
 from tests.support.mock_engine import running_mock_engine
 from tests.support.polling import wait_until
 from tests.support.ports import free_port, free_port_range
@@ -284,6 +285,38 @@ def test_an_idle_supervisor_sleeps_until_a_worker_exits(gateway: Gateway) -> Non
     number, _, _, timeout, *_ = calls[-1].split()
     name, forever = _POLLS[number]
     assert int(timeout, 16) in forever, f"{name} with a timeout: {calls[-1]}"
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(p) for task in tasks.iterdir() for p in (task / "children").read_text().split()]
+
+
+def _decoders(pid: int) -> list[int]:
+    """The decoder processes among ``pid``'s children."""
+    found = []
+    for child in _children(pid):
+        try:
+            if b"rankgate.multimodal.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def test_each_worker_decodes_media_in_decoder_processes_of_its_own(gateway: Gateway) -> None:
+    picture = data_uri(encode(noise(20, 20), "PNG"))
+    content = [
+        {"type": "text", "text": "what?"},
+        {"type": "image_url", "image_url": {"url": picture}},
+    ]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+    for _ in range(4):
+        # A new connection each, so the requests land on either worker.
+        response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+    assert any(_decoders(worker) for worker in gateway.workers())
+    assert not _decoders(gateway.process.pid)
 
 
 def test_a_crashed_worker_is_replaced_and_its_load_forgotten(gateway: Gateway) -> None:

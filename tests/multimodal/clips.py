@@ -31,7 +31,7 @@ def wav(seconds: float = 1.0, rate: int = 16_000, tone: float = 440.0, channels:
 def wav_declaring(data_bytes: int, actual_bytes: int, rate: int = 16_000) -> bytes:
     """A mono 16-bit WAV whose header declares ``data_bytes`` of samples but holds
     ``actual_bytes`` (a lying or truncated header)."""
-    header = b"RIFF" + struct.pack("<I", 36 + data_bytes) + b"WAVE"
+    header = b"RIFF" + struct.pack("<I", min(36 + data_bytes, 0xFFFF_FFFF)) + b"WAVE"
     header += b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
     header += b"data" + struct.pack("<I", data_bytes)
     return header + bytes(actual_bytes)

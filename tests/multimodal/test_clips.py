@@ -7,6 +7,7 @@ import pytest
 from rankgate.multimodal.clips import ClipDecoder, ClipLimits, probe_clip, sniff_container
 from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import content_identity
+from rankgate.multimodal.isolation import DecoderLimits, DecoderPool
 from tests.multimodal.clips import encoded_audio, video, wav, wav_declaring
 
 AUDIO = ClipLimits(
@@ -118,6 +119,19 @@ def test_a_huge_declared_duration_in_a_tiny_file_is_refused_from_its_header() ->
         probe_clip(hours, AUDIO)
 
 
+def test_a_wav_header_declaring_days_is_refused_before_decoding() -> None:
+    """FFmpeg clamps the declared size to the bytes present; the header's own claim counts."""
+    days = wav_declaring(data_bytes=0xFFFF_FFF0, actual_bytes=32_000, rate=8_000)
+    with pytest.raises(MediaRefused, match=r"audio declares \d+\.\d s, over the limit of 600 s"):
+        probe_clip(days, AUDIO)
+
+
+@pytest.mark.parametrize("size", [0, 0xFFFF_FFFF])
+def test_a_streamed_wav_of_unknown_size_is_measured_by_decoding(size: int) -> None:
+    probed = probe_clip(wav_declaring(data_bytes=size, actual_bytes=32_000), AUDIO)
+    assert probed.seconds == pytest.approx(1.0)
+
+
 def test_a_header_that_understates_the_duration_is_caught_while_decoding() -> None:
     """The header says half a second; the data holds three: decoding stops past the limit."""
     liar = flac_declaring(8_000, seconds=3.0)
@@ -176,7 +190,8 @@ def test_a_webm_running_past_the_limit_is_caught_from_its_packets() -> None:
 
 
 async def test_the_decoder_probes_each_clip_once_and_recalls_it() -> None:
-    decoder = ClipDecoder(AUDIO, VIDEO, workers=1, memo=1 << 20)
+    pool = DecoderPool(DecoderLimits(workers=1))
+    decoder = ClipDecoder(AUDIO, VIDEO, pool, memo=1 << 20)
     try:
         data = wav(1.0, tone=123.0)
         first = await decoder.probe("audio", data)
@@ -186,5 +201,8 @@ async def test_the_decoder_probes_each_clip_once_and_recalls_it() -> None:
         # The same bytes as another kind are another question.
         with pytest.raises(MediaRefused, match="video container wav is not allowed"):
             await decoder.probe("video", data)
+        assert first.data is data
+        assert pool.started == 1
     finally:
         decoder.close()
+        pool.close()

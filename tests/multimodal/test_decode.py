@@ -10,6 +10,7 @@ from PIL import Image
 from rankgate.multimodal.decode import DecodeLimits, ImageDecoder, decode_image, sniff_format
 from rankgate.multimodal.errors import MediaRefused
 from rankgate.multimodal.identity import content_identity
+from rankgate.multimodal.isolation import DecoderLimits, DecoderPool
 from tests.multimodal.pictures import encode, noise, png_claiming
 
 LIMITS = DecodeLimits(("JPEG", "PNG", "WEBP", "GIF"), 4_000_000)
@@ -111,7 +112,8 @@ def test_sniff_names_common_formats() -> None:
 
 
 async def test_decoder_pool_decodes_concurrently_and_recalls_repeats() -> None:
-    decoder = ImageDecoder(LIMITS, workers=2, memo_bytes=1 << 20)
+    pool = DecoderPool(DecoderLimits(workers=2))
+    decoder = ImageDecoder(LIMITS, pool, memo_bytes=1 << 20)
     try:
         datas = [encode(noise(50, 50, seed=s), "PNG") for s in range(4)]
         first = await asyncio.gather(*(decoder.decode(d) for d in datas))
@@ -121,5 +123,8 @@ async def test_decoder_pool_decodes_concurrently_and_recalls_repeats() -> None:
         assert (decoder.decoded, decoder.recalled) == (4, 1)
         with pytest.raises(MediaRefused):
             await decoder.decode(b"nope")
+        assert await decoder.size(bytes(datas[1])) == (50, 50)
+        assert pool.started <= 2
     finally:
         decoder.close()
+        pool.close()

@@ -265,6 +265,41 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         metavar="NAME",
     ),
     Flag(
+        "--decode-workers",
+        "media.decode_workers",
+        "decoder processes per gateway process: images, audio and video are parsed in them, "
+        "never in the gateway's own (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--decode-queue",
+        "media.decode_queue",
+        "media items that may wait for a busy decoder process; past them an item is a 503 "
+        "to retry (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--decode-timeout",
+        "media.decode_timeout",
+        "seconds one item may take in a decoder process before it is killed and the item "
+        "refused (default: %(default)s)",
+        float,
+    ),
+    Flag(
+        "--decode-cpu-seconds",
+        "media.decode_cpu_seconds",
+        "CPU seconds one item may use in a decoder process (RLIMIT_CPU) (default: %(default)s)",
+        int,
+    ),
+    Flag(
+        "--decode-memory",
+        "media.decode_memory_bytes",
+        "bytes of address space a decoder process may use, Pillow and FFmpeg included "
+        "(RLIMIT_AS) (default: %(default)s)",
+        int,
+        metavar="BYTES",
+    ),
+    Flag(
         "--image-fetch-timeout",
         "media.total_timeout",
         "seconds for one image fetch, redirects included (default: %(default)s)",
