@@ -187,8 +187,9 @@ class _Rank:
         self.cached_tokens = 0
         self.requests = 0
         self.busy_seconds = 0.0
-        # The most requests it ever had waiting for admission.
+        # The most requests it ever had waiting for admission, and waiting or running.
         self.deepest = 0
+        self.crowded = 0
 
     @property
     def free(self) -> int:
@@ -341,8 +342,9 @@ class Outcome:
     prompt: int = 0
     cached: int = 0
     seconds: float = 0.0
-    # Per rank: the most requests it ever had waiting for admission.
+    # Per rank: the most requests it ever had waiting for admission, and waiting or running.
     deepest_queue: list[int] = dataclasses.field(default_factory=list)
+    most_in_flight: list[int] = dataclasses.field(default_factory=list)
     # Per rank: the share of the time it was stepping, and its speed.
     busy: list[float] = dataclasses.field(default_factory=list)
     speeds: list[float] = dataclasses.field(default_factory=list)
@@ -437,6 +439,7 @@ class Simulation:
         carried.update(keys)
         rank.waiting.append(entry)
         rank.deepest = max(rank.deepest, len(rank.waiting))
+        rank.crowded = max(rank.crowded, len(rank.waiting) + len(rank.running))
         if not rank.stepping:
             self._step(rank)
 
@@ -463,6 +466,7 @@ class Simulation:
             action()
         outcome = self.outcome
         outcome.deepest_queue = [rank.deepest for rank in self.ranks]
+        outcome.most_in_flight = [rank.crowded for rank in self.ranks]
         outcome.seconds = self.now
         outcome.busy = [r.busy_seconds / self.now if self.now else 0.0 for r in self.ranks]
         outcome.speeds = [r.speed for r in self.ranks]
