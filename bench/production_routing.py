@@ -17,7 +17,10 @@ The workload (``tests/support/sessions.py``), the same for every target of a con
   for the previous answer and a pause, then resends the whole history plus a new message, so
   contexts grow;
 - ``--long`` draws system prompts of 8k-32k tokens instead of 1k-3k;
-- each rank's KV cache (``--kv-blocks``) is smaller than the working set, so evictions matter.
+- each rank's KV cache (``--kv-blocks``) is smaller than the working set, so evictions matter;
+- ``--slow-rank 0.4`` runs rank 0 at that factor of ``--speed`` (calibrated as if it were not
+  slow), ``--bursts`` sends sessions in on/off waves of the same mean rate, and a quarter of
+  ``--kv-blocks`` (512) makes the caches a quarter of the working set.
 
 The load is relative to the engine's capacity under round robin: ``--calibrate-seconds`` of
 sessions through ``round_robin`` at a probe rate measure the share of the time its ranks are
@@ -59,7 +62,7 @@ from rankgate.mocker.config import MockEngineConfig
 from rankgate.sidecar.routing.hashing import prompt_keys
 from tests.support.ports import free_port, free_port_range
 from tests.support.rank_sim import EngineModel
-from tests.support.sessions import Session, Shape, sessions, system_prompts
+from tests.support.sessions import Bursts, Session, Shape, sessions, system_prompts
 
 BLOCK = 16
 
@@ -100,6 +103,7 @@ class EngineProcess:
             sequence_seconds=config.decode_seconds_per_sequence,
             token_seconds=config.prefill_seconds_per_token,
             speed=config.speed,
+            speeds=config.rank_speeds,
         )
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
@@ -123,8 +127,10 @@ class EngineProcess:
 
 @contextmanager
 def mock_engine(
-    args: argparse.Namespace, dp: int, model_dir: Path
+    args: argparse.Namespace, dp: int, model_dir: Path, calibrating: bool = False
 ) -> Iterator[tuple[peers.Engine, EngineProcess]]:
+    """The mock engine of one run; calibrating, with every rank at full speed, so that a slow
+    rank's load is measured against the rate the same engine would take were it not slow."""
     config = MockEngineConfig(
         host="127.0.0.1",
         port=free_port(),
@@ -139,6 +145,7 @@ def mock_engine(
         kv_events_port=free_port_range(dp),
         kv_replay_port=free_port_range(dp),
         speed=args.speed,
+        rank_speeds=() if calibrating or args.slow_rank is None else (args.slow_rank,),
         eos_probability=0.0,
     )
     engine = EngineProcess(config)
@@ -393,6 +400,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> str:
         system_tokens=(8192, 32768) if args.long else (1024, 3072),
         turns=args.turns,
         seed=args.seed,
+        bursts=Bursts() if args.bursts else None,
     )
     systems = system_prompts(shape)
     model_dir = peers.model_dir(work_dir)
@@ -401,7 +409,10 @@ async def run(args: argparse.Namespace, work_dir: Path) -> str:
     for dp in args.dp:
         rate_full = args.session_rate
         if rate_full is None:
-            with mock_engine(args, dp, model_dir) as (engine, process), ExitStack() as stack:
+            with (
+                mock_engine(args, dp, model_dir, calibrating=True) as (engine, process),
+                ExitStack() as stack,
+            ):
                 gateway = targets["round_robin"](stack, engine)
                 rate_full = await calibrate(
                     gateway, engine, process, systems, shape, args.calibrate_seconds
@@ -462,6 +473,10 @@ def main() -> None:
     parser.add_argument("--turns", type=float, default=3.0, help="mean turns a session")
     parser.add_argument("--long", action="store_true", help="8k-32k-token system prompts")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--slow-rank", type=float, help="rank 0's speed factor, e.g. 0.4")
+    parser.add_argument(
+        "--bursts", action="store_true", help="on/off waves: 3.5 s at 2.5x the rate, 6.5 s at 0.19x"
+    )
     parser.add_argument("--calibrate-seconds", type=float, default=20.0)
     parser.add_argument(
         "--session-rate",

@@ -28,10 +28,21 @@ seconds spent prefilling again blocks an earlier request had carried (evicted, o
 another rank), and of those the part some rank still held when the request was routed (what a
 better choice could have saved; the rest was held nowhere: the caches' capacity); and the rest,
 time spent waiting behind other work. No router goes below the
-floor's mean, so it bounds what any lead over another router can be.
+floor's mean, so it bounds what any lead over another router can be. With a slow rank the floor
+is priced on the fastest rank, and what a request's own rank being slower added is its own term.
+
+``--condition`` picks where a router can change latency (``tests/support/rank_bounds.py``):
+``slow`` (rank 0 at 0.4x speed; ``--slow`` sets the factor), ``bursts`` (3.5 s at 2.5x the
+mean rate, 6.5 s at 0.19x), ``small_kv`` (pooled KV a quarter of the trace's working set;
+``--kv-fraction``), or ``friendly``. Each is calibrated as if every rank were equally fast.
+Every table also prints the ceiling, the hit rate of the same trace through one LRU cache
+holding all the ranks' blocks, and each router's share of the gap between round robin and the
+bounds that it closes: of the mean TTFT down to the floor, and of the hit rate up to the
+ceiling. ``--per-rank`` adds each rank's split of the TTFT.
 
     PYTHONPATH=. .venv/bin/python bench/routing_simulation.py [--dp 2 4 8 16 32] \\
         [--load 0.5 0.7 0.9] [--seconds 60] [--seeds 1 2 3] [--long | --agents] [--markdown] \\
+        [--condition friendly slow bursts small_kv] [--per-rank] \\
         [--variant 'noshare=share_weight=0']
 """
 
@@ -46,13 +57,19 @@ import msgspec
 import peers
 
 from rankgate.sidecar.routing.config import RoutingConfig
+from tests.support.rank_bounds import CONDITIONS, Condition, Setting, pooled_hit_rate, setting
 from tests.support.rank_sim import EngineModel, Outcome, full_rate, run_plan
 from tests.support.sessions import AGENTS, Shape
 
 HEAD = [
-    "DP", "load", "target", "requests", "mean TTFT ms", "p50 TTFT ms", "p99 TTFT ms",
-    "mean e2e ms", "floor mean / p99 ms", "recompute ms (held when routed)", "wait ms", "hit rate",
-    "busiest rank work", "busiest rank requests", "busiest rank busy",
+    "DP", "load", "condition", "target", "requests", "mean TTFT ms", "p50 TTFT ms",
+    "p99 TTFT ms", "mean e2e ms", "floor mean / p99 ms", "slow rank ms",
+    "recompute ms (held when routed)", "wait ms", "hit rate", "ceiling hit",
+    "gap closed TTFT / hit", "busiest rank work", "busiest rank requests", "busiest rank busy",
+]  # fmt: skip
+RANK_HEAD = [
+    "DP", "condition", "target", "rank", "speed", "requests", "mean TTFT ms", "floor ms",
+    "slow rank ms", "recompute ms", "wait ms", "busy",
 ]  # fmt: skip
 
 
@@ -65,37 +82,105 @@ def _variant(text: str) -> tuple[str, RoutingConfig]:
     return name, msgspec.structs.replace(RoutingConfig(), **fields)
 
 
-def row(dp: int, load: float, name: str, runs: Sequence[Outcome]) -> list[str]:
-    ttfts = [t for o in runs for t in o.ttfts]
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.0f}"
+
+
+class Pooled:
+    """One target's runs of one configuration, pooled over the seeds."""
+
+    def __init__(self, runs: Sequence[Outcome], capacity: int, block: int) -> None:
+        self.runs = runs
+        self.ttfts = [t for o in runs for t in o.ttfts]
+        self.floors = [t for o in runs for t in o.floors]
+        self.mean = statistics.fmean(self.ttfts)
+        self.floor = statistics.fmean(self.floors)
+        self.hit = sum(o.cached for o in runs) / sum(o.prompt for o in runs)
+        self.ceiling = statistics.fmean(pooled_hit_rate(o.trace, capacity, block) for o in runs)
+
+    def closed(self, baseline: Pooled) -> str:
+        """The share of round robin's gap to the floor (TTFT) and ceiling (hit) closed."""
+        ttft = (baseline.mean - self.mean) / (baseline.mean - self.floor)
+        hit = (self.hit - baseline.hit) / (self.ceiling - baseline.hit)
+        return f"{ttft:.0%} / {hit:.0%}"
+
+
+def row(dp: int, load: float, where: str, name: str, pooled: Pooled, baseline: Pooled) -> list[str]:
+    runs = pooled.runs
     latencies = [t for o in runs for t in o.latencies]
-    floors = [t for o in runs for t in o.floors]
-    recomputed = [t for o in runs for t in o.recomputed]
-    elsewhere = [t for o in runs for t in o.recomputed_elsewhere]
-    ordered = sorted(ttfts)
-
-    def ms(value: float) -> str:
-        return f"{value * 1e3:.0f}"
-
-    def quantile(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
+    recomputed = statistics.fmean(t for o in runs for t in o.recomputed)
+    elsewhere = statistics.fmean(t for o in runs for t in o.recomputed_elsewhere)
+    slowed = statistics.fmean(t for o in runs for t in o.slowed)
+    ordered, floors = sorted(pooled.ttfts), sorted(pooled.floors)
     return [
         str(dp),
         f"{load:.0%}",
+        where,
         name,
-        str(len(ttfts)),
-        ms(statistics.fmean(ttfts)),
-        ms(quantile(0.5)),
-        ms(quantile(0.99)),
-        ms(statistics.fmean(latencies)),
-        f"{ms(statistics.fmean(floors))} / {ms(sorted(floors)[round(0.99 * (len(floors) - 1))])}",
-        f"{ms(statistics.fmean(recomputed))} / {ms(statistics.fmean(elsewhere))}",
-        ms(statistics.fmean(ttfts) - statistics.fmean(floors) - statistics.fmean(recomputed)),
-        f"{sum(o.cached for o in runs) / sum(o.prompt for o in runs):.3f}",
+        str(len(ordered)),
+        _ms(pooled.mean),
+        _ms(ordered[round(0.5 * (len(ordered) - 1))]),
+        _ms(ordered[round(0.99 * (len(ordered) - 1))]),
+        _ms(statistics.fmean(latencies)),
+        f"{_ms(pooled.floor)} / {_ms(floors[round(0.99 * (len(floors) - 1))])}",
+        _ms(slowed),
+        f"{_ms(recomputed)} / {_ms(elsewhere)}",
+        _ms(pooled.mean - pooled.floor - slowed - recomputed),
+        f"{pooled.hit:.3f}",
+        f"{pooled.ceiling:.3f}",
+        pooled.closed(baseline),
         f"{statistics.fmean(o.work_share for o in runs):.2f}x",
         f"{statistics.fmean(o.request_share for o in runs):.2f}x",
         f"{statistics.fmean(max(o.busy) for o in runs):.2f}",
     ]
+
+
+def rank_rows(dp: int, where: str, name: str, runs: Sequence[Outcome]) -> list[list[str]]:
+    """Each rank's requests and where their TTFT went, pooled over the seeds."""
+    rows = []
+    for slot in range(dp):
+        picked = [
+            (ttft, floor, slowed, recomputed)
+            for o in runs
+            for ttft, floor, slowed, recomputed, at in zip(
+                o.ttfts, o.floors, o.slowed, o.recomputed, o.slots, strict=True
+            )
+            if at == slot
+        ]
+        if not picked:
+            continue
+        columns = zip(*picked, strict=True)
+        ttft, floor, slowed, recomputed = (statistics.fmean(column) for column in columns)
+        rows.append(
+            [
+                str(dp), where, name, str(slot), f"{runs[0].speeds[slot]:.2f}", str(len(picked)),
+                _ms(ttft), _ms(floor), _ms(slowed), _ms(recomputed),
+                _ms(ttft - floor - slowed - recomputed),
+                f"{statistics.fmean(o.busy[slot] for o in runs):.2f}",
+            ]
+        )  # fmt: skip
+    return rows
+
+
+def _setting(
+    args: argparse.Namespace, condition: Condition, dp: int, seed: int, load: float
+) -> Setting:
+    if args.agents:
+        shape = dataclasses.replace(AGENTS, seed=seed)
+        model = EngineModel(dp=dp, kv_blocks=args.kv_blocks or 16384)
+        rate = full_rate(model, shape, 1200.0, offered=True) * load
+        return Setting(model, shape, rate, 0)
+    system = (8192, 32768) if args.long else (1024, 3072)
+    shape = Shape(seed=seed, system_tokens=system)
+    if args.slow is not None and condition.slow != 1.0:
+        condition = dataclasses.replace(condition, slow=args.slow)
+    if args.kv_fraction is not None and condition.kv_fraction is not None:
+        condition = dataclasses.replace(condition, kv_fraction=args.kv_fraction)
+    found = setting(condition, dp, shape, load)
+    if args.kv_blocks is not None and condition.kv_fraction is None:
+        model = dataclasses.replace(found.model, kv_blocks=args.kv_blocks)
+        found = dataclasses.replace(found, model=model)
+    return found
 
 
 def main() -> None:
@@ -111,11 +196,13 @@ def main() -> None:
     parser.add_argument(
         "--agents", action="store_true", help="agent loops: 16 prompts, contexts growing to 64k"
     )
+    parser.add_argument("--condition", nargs="+", choices=sorted(CONDITIONS), default=["friendly"])
+    parser.add_argument("--slow", type=float, help="the slow rank's speed factor (0.4)")
+    parser.add_argument("--kv-fraction", type=float, help="pooled KV / working set (0.25)")
+    parser.add_argument("--per-rank", action="store_true", help="each rank's TTFT split")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FIELD=V,...")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    if args.kv_blocks is None:
-        args.kv_blocks = 16384 if args.agents else 2048
     targets: list[tuple[str, str, RoutingConfig]] = [
         ("rankgate kv", "kv", RoutingConfig()),
         *(("rankgate " + name, "kv", config) for name, config in map(_variant, args.variant)),
@@ -123,32 +210,43 @@ def main() -> None:
         ("round robin", "round_robin", RoutingConfig()),
     ]
     rows: list[list[str]] = []
-    for dp in args.dp:
-        model = EngineModel(dp=dp, kv_blocks=args.kv_blocks)
-        for load in args.load:
-            runs: dict[str, list[Outcome]] = {name: [] for name, _, _ in targets}
-            for seed in args.seeds:
-                if args.agents:
-                    shape = dataclasses.replace(AGENTS, seed=seed)
-                else:
-                    system = (8192, 32768) if args.long else (1024, 3072)
-                    shape = Shape(seed=seed, system_tokens=system)
-                rate = full_rate(model, shape, 1200.0 if args.agents else 60.0, args.agents) * load
-                for name, policy, config in targets:
-                    runs[name].append(run_plan(model, policy, shape, rate, args.seconds, config))
-            for name, _, _ in targets:
-                rows.append(row(dp, load, name, runs[name]))
-                print("  ".join(rows[-1]), flush=True)
+    per_rank: list[list[str]] = []
+    kv_blocks: set[int] = set()
+    for key in args.condition:
+        condition = CONDITIONS[key]
+        for dp in args.dp:
+            for load in args.load:
+                runs: dict[str, list[Outcome]] = {name: [] for name, _, _ in targets}
+                for seed in args.seeds:
+                    found = _setting(args, condition, dp, seed, load)
+                    model = found.model
+                    for name, policy, config in targets:
+                        outcome = run_plan(
+                            model, policy, found.shape, found.rate, args.seconds, config
+                        )
+                        runs[name].append(outcome)
+                kv_blocks.add(model.kv_blocks)
+                capacity = dp * (model.kv_blocks - 1)
+                pooled = {name: Pooled(runs[name], capacity, model.block_size) for name in runs}
+                baseline = pooled["round robin"]
+                for name, _, _ in targets:
+                    rows.append(row(dp, load, condition.name, name, pooled[name], baseline))
+                    print("  ".join(rows[-1]), flush=True)
+                    if args.per_rank:
+                        per_rank += rank_rows(dp, condition.name, name, runs[name])
     if args.agents:
         workload = "agent loops (16 prompts of 2k-8k tokens, Zipf 1.1, 12 turns of 256-4k tokens)"
     else:
         workload = f"64 system prompts, Zipf 1.3, {'8k-32k' if args.long else '1k-3k'} tokens"
+    blocks = "/".join(map(str, sorted(kv_blocks)))
     title = (
-        f"Routing on the simulated engine ({args.kv_blocks} KV blocks and 64 running per "
+        f"Routing on the simulated engine ({blocks} KV blocks and 64 running per "
         f"rank, the mock's step times at speed 0.5); {workload}; {args.seconds:.0f} s of Poisson "
         f"sessions per run, seeds {' '.join(map(str, args.seeds))} pooled"
     )
     print(peers.table(HEAD, rows, title, args.markdown))
+    if per_rank:
+        print(peers.table(RANK_HEAD, per_rank, "Where the TTFT went, per rank", args.markdown))
 
 
 if __name__ == "__main__":

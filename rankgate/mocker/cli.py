@@ -87,6 +87,11 @@ def _add_engine(parser: argparse.ArgumentParser, d: MockEngineConfig) -> None:
     )
     a("--speed", type=float, default=d.speed, help="0 = zero latency; 1 = GPU-like timing")
     a(
+        "--rank-speeds",
+        default="",
+        help="per-rank factors on --speed by DP rank, e.g. 0.4,1,1,1 (others run at 1)",
+    )
+    a(
         "--paced-step-seconds",
         type=float,
         default=d.paced_step_seconds,
@@ -166,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         kv_event_format=args.kv_event_format,
         grpc_services=args.grpc_services,
         speed=args.speed,
+        rank_speeds=tuple(float(f) for f in args.rank_speeds.split(",") if f.strip()),
         paced_step_seconds=args.paced_step_seconds,
         seed=args.seed,
         eos_probability=args.eos_probability,

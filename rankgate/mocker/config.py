@@ -70,6 +70,9 @@ class MockEngineConfig:
     # Timing: 0.0 answers as fast as the CPU allows; 1.0 follows the GPU-like model below;
     # larger values run proportionally faster.
     speed: float = 1.0
+    # Per DP rank, a factor on ``speed`` (a throttled GPU, a noisy neighbour), indexed by the
+    # rank; ranks past the end run at 1. Only timing changes: answers and events do not.
+    rank_speeds: tuple[float, ...] = ()
     prefill_seconds_per_token: float = 50e-6
     decode_step_seconds: float = 8e-3
     decode_seconds_per_sequence: float = 60e-6
@@ -150,6 +153,8 @@ class MockEngineConfig:
             )
         if self.speed < 0:
             raise ConfigError("speed must be >= 0 (0 = zero latency)")
+        if any(factor <= 0 for factor in self.rank_speeds):
+            raise ConfigError("every rank speed factor must be > 0")
         if self.paced_step_seconds < 0:
             raise ConfigError("paced_step_seconds must be >= 0 (0 = not paced)")
         if not self.model.strip():
@@ -166,6 +171,11 @@ class MockEngineConfig:
             raise ConfigError("kv_lease_seconds must be > 0")
         if self.kv_transfer_seconds < 0 or self.kv_transfer_seconds_per_block < 0:
             raise ConfigError("KV transfer times must be >= 0")
+
+    def rank_speed(self, rank: int) -> float:
+        """``speed`` as rank ``rank`` runs it."""
+        factors = self.rank_speeds
+        return self.speed * (factors[rank] if rank < len(factors) else 1.0)
 
     @property
     def local_size(self) -> int:

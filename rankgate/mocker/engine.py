@@ -334,7 +334,7 @@ class RankEngine:
     # ---- the loop -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        speed = self.config.speed
+        speed = self.config.rank_speed(self.rank)
         pace = self.config.paced_step_seconds
         loop = asyncio.get_running_loop()
         while True:

@@ -27,6 +27,7 @@ def test_register_maps_flags_onto_the_config() -> None:
             "--kv-events-port", "7000",
             "--kv-replay-port", "7100",
             "--speed", "0",
+            "--rank-speeds", "0.4,1",
             "--seed", "3",
             "--paced-step-seconds", "0.002",
             "--grpc-server", "grpcio",
@@ -36,6 +37,7 @@ def test_register_maps_flags_onto_the_config() -> None:
     assert (config.port, config.dp_size, config.model, config.block_size) == (6000, 4, "m", 32)
     assert (config.kv_events_port, config.kv_replay_port) == (7000, 7100)
     assert (config.speed, config.seed, config.paced_step_seconds) == (0.0, 3, 0.002)
+    assert config.rank_speeds == (0.4, 1.0)
     assert config.grpc_server == "grpcio"
     assert args.handler is not None
     assert config_from_args(parser.parse_args(["mock-engine"])).grpc_server == "inloop"

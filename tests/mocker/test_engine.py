@@ -99,6 +99,23 @@ def test_speed_factor_scales_time() -> None:
             c.close()
 
 
+def test_a_slow_rank_steps_longer_for_the_same_work() -> None:
+    """A rank at a quarter speed spends four times the modelled step time on the same prompt,
+    and answers it the same."""
+    config = dict(speed=1.0, prefill_seconds_per_token=0.0001, decode_step_seconds=0.001)
+    with engine(rank_speeds=(0.25,), **config) as handle:
+        c = Client(handle.target)
+        try:
+            tokens = prompt(7, 128)
+            slow = c.stream(request(tokens, max_new_tokens=4, request_id="r"), rank=0)
+            fast = c.stream(request(tokens, max_new_tokens=4, request_id="r"), rank=1)
+            assert slow == fast
+            ratio = handle.stats(0).busy_seconds / handle.stats(1).busy_seconds
+            assert abs(ratio - 4.0) < 1e-6
+        finally:
+            c.close()
+
+
 def test_lru_eviction_publishes_removals() -> None:
     # 8 blocks per rank besides the null block: a second 96-token prompt forces most of the
     # first one out.

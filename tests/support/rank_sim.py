@@ -24,19 +24,13 @@ import math
 import statistics
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
-
-from prometheus_client import CollectorRegistry
 
 from rankgate.sidecar.routing.base import RouteTicket
 from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.events import IntakeObserver
 from rankgate.sidecar.routing.hashing import EMPTY_SEED, chain_hashes, prompt_keys
 from rankgate.sidecar.routing.index import DEVICE, EventIndex
-from rankgate.sidecar.routing.metrics import routing_metrics
 from rankgate.sidecar.routing.policies.kv import KvRouter
-from rankgate.sidecar.routing.policies.ranked import RankedRouter
-from rankgate.sidecar.routing.policies.round_robin import RoundRobinRouter
 from rankgate.sidecar.types import (
     EngineInfo,
     KvEventSource,
@@ -46,6 +40,7 @@ from rankgate.sidecar.types import (
     StoppingParams,
 )
 from tests.support.sessions import Session, Shape, sessions, system_prompts
+from tests.support.sim_routers import FACTORIES, RouterFactory, kv_router
 
 DEFAULTS = RoutingConfig()
 
@@ -62,16 +57,27 @@ class EngineModel:
     sequence_seconds: float = 60e-6
     token_seconds: float = 50e-6
     speed: float = 0.5
+    # Per rank, a factor on ``speed`` (a throttled GPU, a noisy neighbour); ranks past the
+    # end run at 1.
+    speeds: tuple[float, ...] = ()
 
-    def floor(self, prompt: int, seen_blocks: int) -> float:
-        """A lower bound on a request's TTFT under any router: its rank idle, holding every
-        block an earlier request carried, and prefilling only the rest, alone."""
+    def rank_speed(self, slot: int) -> float:
+        return self.speed * (self.speeds[slot] if slot < len(self.speeds) else 1.0)
+
+    @property
+    def fastest(self) -> float:
+        return max(self.rank_speed(slot) for slot in range(self.dp))
+
+    def floor(self, prompt: int, seen_blocks: int, speed: float | None = None) -> float:
+        """A lower bound on a request's TTFT under any router: the fastest rank idle, holding
+        every block an earlier request carried, and prefilling only the rest, alone (at
+        ``speed``: on a rank of that speed instead)."""
         seen = min(seen_blocks, (prompt - 1) // self.block_size) * self.block_size
         novel = prompt - seen
         steps = -(-novel // self.max_batched_tokens)
         return (
             steps * (self.step_seconds + self.sequence_seconds) + self.token_seconds * novel
-        ) / self.speed
+        ) / (speed if speed is not None else self.fastest)
 
     def info(self) -> EngineInfo:
         ranks = tuple(range(self.dp))
@@ -116,6 +122,7 @@ class _Request:
         "recomputed",
         "recomputed_elsewhere",
         "seen",
+        "slowed",
         "ticket",
     )
 
@@ -142,6 +149,8 @@ class _Request:
         # prefilling blocks of those it did not hold.
         self.seen = 0
         self.floor = 0.0
+        # What its rank being slower than the fastest added to the floor.
+        self.slowed = 0.0
         self.recomputed = 0.0
         # The most leading blocks any rank held when it was routed, and the seconds spent
         # prefilling again those of them its rank no longer held at admission: what a router
@@ -163,6 +172,7 @@ class _Rank:
     ) -> None:
         self.slot = slot
         self.model = model
+        self.speed = model.rank_speed(slot)
         self.index = index
         # Hears the stores as the intake's observer does (the router's prediction check).
         self.observer = observer
@@ -177,8 +187,9 @@ class _Rank:
         self.cached_tokens = 0
         self.requests = 0
         self.busy_seconds = 0.0
-        # The most requests it ever had waiting for admission.
+        # The most requests it ever had waiting for admission, and waiting or running.
         self.deepest = 0
+        self.crowded = 0
 
     @property
     def free(self) -> int:
@@ -207,9 +218,9 @@ class _Rank:
         request.computed = hits * size
         carried = min(request.seen, limit)
         lost = max(0, carried - hits) * size
-        request.recomputed = lost * self.model.token_seconds / self.model.speed
+        request.recomputed = lost * self.model.token_seconds / self.speed
         elsewhere = max(0, min(request.held_elsewhere, carried) - hits) * size
-        request.recomputed_elsewhere = elsewhere * self.model.token_seconds / self.model.speed
+        request.recomputed_elsewhere = elsewhere * self.model.token_seconds / self.speed
         self.prompt_tokens += request.prompt
         self.cached_tokens += hits * size
         self.requests += 1
@@ -293,7 +304,7 @@ class _Rank:
         m = self.model
         return (
             m.step_seconds + m.sequence_seconds * len(batch) + m.token_seconds * prefill
-        ) / m.speed
+        ) / self.speed
 
     def apply(self, batch: Sequence[tuple[_Request, int]], now: float) -> None:
         for request, take in batch:
@@ -322,31 +333,46 @@ class Outcome:
     recomputed: list[float] = dataclasses.field(default_factory=list)
     # The part of ``recomputed`` some rank held when the request was routed.
     recomputed_elsewhere: list[float] = dataclasses.field(default_factory=list)
+    # Per request: what its rank's slowness added to the floor, and the rank's slot.
+    slowed: list[float] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)
     latencies: list[float] = dataclasses.field(default_factory=list)
     work: list[int] = dataclasses.field(default_factory=list)
     requests: list[int] = dataclasses.field(default_factory=list)
     prompt: int = 0
     cached: int = 0
     seconds: float = 0.0
-    # Per rank: the most requests it ever had waiting for admission.
+    # Per rank: the most requests it ever had waiting for admission, and waiting or running.
     deepest_queue: list[int] = dataclasses.field(default_factory=list)
-    # Per rank: the share of the time it was stepping.
+    most_in_flight: list[int] = dataclasses.field(default_factory=list)
+    # Per rank: the share of the time it was stepping, and its speed.
     busy: list[float] = dataclasses.field(default_factory=list)
+    speeds: list[float] = dataclasses.field(default_factory=list)
+    # Per request in arrival order: its prompt's length and block keys (the ceiling's trace).
+    trace: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
         return self.cached / self.prompt if self.prompt else math.nan
 
+    def _share(self, counts: Sequence[int]) -> float:
+        """The busiest rank's count over its fair share, in proportion to its speed."""
+        total = sum(counts)
+        speeds = self.speeds or [1.0] * len(counts)
+        pace = sum(speeds)
+        if not total:
+            return math.nan
+        pairs = zip(counts, speeds, strict=True)
+        return max(count * pace / (total * speed) for count, speed in pairs)
+
     @property
     def work_share(self) -> float:
         """The busiest rank's prefill work (uncached prompt tokens) over a fair share."""
-        total = sum(self.work)
-        return max(self.work) * len(self.work) / total if total else math.nan
+        return self._share(self.work)
 
     @property
     def request_share(self) -> float:
-        total = sum(self.requests)
-        return max(self.requests) * len(self.requests) / total if total else math.nan
+        return self._share(self.requests)
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.ttfts)
@@ -355,13 +381,6 @@ class Outcome:
     @property
     def mean_ttft(self) -> float:
         return statistics.fmean(self.ttfts)
-
-
-RouterFactory = Callable[[RoutingConfig, Callable[[], float]], RankedRouter]
-
-
-def kv_router(config: RoutingConfig, clock: Callable[[], float]) -> RankedRouter:
-    return KvRouter(config, routing_metrics(CollectorRegistry()), clock)
 
 
 class Simulation:
@@ -414,10 +433,13 @@ class Simulation:
         carried = self._carried
         entry.seen = len(list(itertools.takewhile(carried.__contains__, keys)))
         entry.floor = self.model.floor(entry.prompt, entry.seen)
+        entry.slowed = self.model.floor(entry.prompt, entry.seen, rank.speed) - entry.floor
+        self.outcome.trace.append((entry.prompt, keys))
         entry.held_elsewhere = max(other.depth(keys) for other in self.ranks)
         carried.update(keys)
         rank.waiting.append(entry)
         rank.deepest = max(rank.deepest, len(rank.waiting))
+        rank.crowded = max(rank.crowded, len(rank.waiting) + len(rank.running))
         if not rank.stepping:
             self._step(rank)
 
@@ -444,8 +466,10 @@ class Simulation:
             action()
         outcome = self.outcome
         outcome.deepest_queue = [rank.deepest for rank in self.ranks]
+        outcome.most_in_flight = [rank.crowded for rank in self.ranks]
         outcome.seconds = self.now
         outcome.busy = [r.busy_seconds / self.now if self.now else 0.0 for r in self.ranks]
+        outcome.speeds = [r.speed for r in self.ranks]
         outcome.work = [r.prompt_tokens - r.cached_tokens for r in self.ranks]
         outcome.requests = [r.requests for r in self.ranks]
         outcome.prompt = sum(r.prompt_tokens for r in self.ranks)
@@ -486,6 +510,8 @@ class Simulation:
             self.outcome.floors.append(request.floor)
             self.outcome.recomputed.append(request.recomputed)
             self.outcome.recomputed_elsewhere.append(request.recomputed_elsewhere)
+            self.outcome.slowed.append(request.slowed)
+            self.outcome.slots.append(request.ticket.decision.rank or 0)
             self.outcome.latencies.append(now - request.arrived)
             if turn + 1 < len(session.messages):
                 follow = self._turn(session, systems, turn + 1, tokens, keys)
@@ -523,44 +549,8 @@ def full_rate(
     return probe / busy if busy else probe
 
 
-def _round_robin(config: RoutingConfig, clock: Callable[[], float]) -> RankedRouter:
-    return RoundRobinRouter(config, routing_metrics(CollectorRegistry()), clock)
-
-
-class LongestPrefixRouter(KvRouter):
-    """vllm-router's ``kv_aware`` choice, for comparison: the rank with the longest cached
-    prefix (the last of equals), the least loaded one when no rank has any, and no other
-    regard for load."""
-
-    name = "longest_prefix"
-
-    def _choose(
-        self,
-        cached: list[int],
-        prompt_tokens: int,
-        hashes: list[int],
-        full: AbstractSet[int] = frozenset(),
-    ) -> tuple[int, str]:
-        best = max(cached)
-        if best == 0:
-            in_flight = self.load.in_flight
-            return min(range(len(cached)), key=in_flight.__getitem__), "least_loaded"
-        return max(slot for slot, tokens in enumerate(cached) if tokens == best), "best"
-
-
-def _longest_prefix(config: RoutingConfig, clock: Callable[[], float]) -> RankedRouter:
-    return LongestPrefixRouter(config, routing_metrics(CollectorRegistry()), clock)
-
-
-FACTORIES: dict[str, RouterFactory] = {
-    "kv": kv_router,
-    "round_robin": _round_robin,
-    "longest_prefix": _longest_prefix,
-}
-
-
 @functools.lru_cache(maxsize=8)
-def _plan(
+def workload_plan(
     shape: Shape, rate: float, seconds: float, seed: int
 ) -> tuple[tuple[Session, ...], tuple[tuple[int, ...], ...]]:
     """One workload, drawn once for every policy that plays it."""
@@ -577,7 +567,7 @@ def run_plan(
 ) -> Outcome:
     """The outcome of the sessions that start in ``seconds`` at ``rate`` a second, routed by
     ``policy`` (a key of :data:`FACTORIES`) with ``config``'s tunables."""
-    plan, systems = _plan(shape, rate, seconds, shape.seed + model.dp)
+    plan, systems = workload_plan(shape, rate, seconds, shape.seed + model.dp)
     sim = Simulation(model, config, FACTORIES[policy])
     sim.play(plan, systems)
     sim.run()

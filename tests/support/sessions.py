@@ -12,6 +12,10 @@ and the clock-free simulation the routing property tests run (:mod:`tests.suppor
 :data:`AGENTS` is the agent-shaped variant: a few long tool-laden system prompts, a dozen turns
 on average, each adding a tool result of up to 4k tokens, so one session's context grows from
 2k-8k tokens to tens of thousands and is its own, shared with no other session.
+
+:class:`Bursts` makes the arrivals come in waves (a campaign, a batch job, a time zone waking):
+the Poisson rate steps between a high and a low factor of its mean, so queues build during a
+wave and drain after it, and a router has to spread a hot prefix while a wave builds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ VOCAB = (100, 3000)
 
 
 @dataclasses.dataclass(frozen=True)
+class Bursts:
+    """On/off arrivals: ``on_seconds`` at ``on_factor`` times the mean rate, then
+    ``off_seconds`` at ``off_factor``, repeated. The defaults average the mean rate."""
+
+    on_seconds: float = 3.5
+    on_factor: float = 2.5
+    off_seconds: float = 6.5
+    off_factor: float = 0.19
+
+    def factor(self, at: float) -> float:
+        """The rate's multiple at ``at`` seconds into the run."""
+        phase = at % (self.on_seconds + self.off_seconds)
+        return self.on_factor if phase < self.on_seconds else self.off_factor
+
+
+@dataclasses.dataclass(frozen=True)
 class Shape:
     prompts: int = 64
     zipf: float = 1.3
@@ -35,6 +55,8 @@ class Shape:
     turns: float = 3.0
     think_seconds: float = 0.5
     seed: int = 1
+    # Sessions arrive in waves of this shape (None: a steady Poisson process).
+    bursts: Bursts | None = None
 
 
 # Agent loops: 16 agent definitions (tools and instructions), tool results as the new
@@ -110,8 +132,18 @@ def sessions(shape: Shape, rate: float, seconds: float, seed: int) -> list[Sessi
     rng = random.Random(seed)
     cumulative = zipf_table(shape)
     out: list[Session] = []
-    at = rng.expovariate(rate)
+    bursts = shape.bursts
+    if bursts is None:
+        at = rng.expovariate(rate)
+        while at < seconds:
+            out.append(one_session(shape, rng, cumulative, at))
+            at += rng.expovariate(rate)
+        return out
+    # Waves by thinning: candidates at the highest rate, each kept at its moment's share.
+    most = max(bursts.on_factor, bursts.off_factor)
+    at = rng.expovariate(rate * most)
     while at < seconds:
-        out.append(one_session(shape, rng, cumulative, at))
-        at += rng.expovariate(rate)
+        if rng.random() * most < bursts.factor(at):
+            out.append(one_session(shape, rng, cumulative, at))
+        at += rng.expovariate(rate * most)
     return out

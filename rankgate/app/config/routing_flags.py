@@ -124,6 +124,26 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
         "term counts them",
     ),
     _tunable(
+        "--route-pace-keep",
+        "pace_keep",
+        float,
+        "share of a rank's past first-token samples each new one keeps when learning its "
+        "speed (0: every rank is taken as equally fast)",
+    ),
+    _tunable(
+        "--route-pace-offset-tokens",
+        "pace_offset_tokens",
+        float,
+        "prompt tokens a request's engine steps count as when learning a rank's speed",
+    ),
+    _tunable(
+        "--route-pace-band",
+        "pace_band",
+        float,
+        "how far from the median rank's learned pace a rank must be to count as slower or "
+        "faster, as a fraction of it",
+    ),
+    _tunable(
         "--route-affinity-entries",
         "affinity_entries",
         int,

@@ -26,15 +26,25 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     # ``prompt_tokens`` counts an image of not yet known size as one token.
     estimated: bool = False
+    # The chosen rank's learned speed over the median rank's, and the seconds its queued
+    # prefill was predicted to take at that pace (0: not known).
+    speed: float = 1.0
+    wait: float = 0.0
 
     def header(self) -> str:
         """The decision as one response-header value, e.g. ``rank=2;cached=512/640;policy=kv``,
-        with ``;prompt=estimated`` when an image's expanded size was not known yet."""
+        with ``;prompt=estimated`` when an image's expanded size was not known yet, and what
+        the router saw of the rank: ``;speed=0.40`` when it is learned to be slower or faster
+        than the others, ``;wait_ms=37`` when prefill was queued there."""
         rank = "none" if self.rank is None else str(self.rank)
         value = (
             f"rank={rank};cached={self.cached_tokens}/{self.prompt_tokens};"
             f"policy={self.policy};reason={self.reason}"
         )
+        if self.speed != 1.0:
+            value += f";speed={self.speed:.2f}"
+        if self.wait > 0.0:
+            value += f";wait_ms={self.wait * 1e3:.0f}"
         return value + ";prompt=estimated" if self.estimated else value
 
 

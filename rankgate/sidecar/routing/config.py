@@ -53,6 +53,14 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
     share_weight: float = 300.0
     share_half_life: float = 10.0
     share_slack: float = 1.0
+    # Learning each rank's speed from its first tokens (:class:`~rankgate.sidecar.routing.load.
+    # RankPace`): the share of a rank's past samples each new one keeps (0: every rank is
+    # taken as equally fast), the prompt tokens a request's engine steps count as, and how
+    # far from the median rank's pace a rank must be to count as slower or faster. Costs on a
+    # slow rank are its work in time, and its fair share of requests shrinks with its speed.
+    pace_keep: float = 0.97
+    pace_offset_tokens: float = 256.0
+    pace_band: float = 0.2
     # Conversations named by the client (``PreparedRequest.affinity``) remembered, and for how
     # many seconds after their last request (0 entries: affinity keys are ignored).
     affinity_entries: int = 100_000
@@ -108,6 +116,10 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("share_half_life must be positive")
         if self.share_slack < 0:
             raise ValueError("share_slack must be >= 0")
+        if not 0.0 <= self.pace_keep < 1.0:
+            raise ValueError("pace_keep must lie in [0, 1)")
+        if self.pace_offset_tokens < 0 or self.pace_band < 0:
+            raise ValueError("pace_offset_tokens and pace_band must be >= 0")
         if self.affinity_entries < 0:
             raise ValueError("affinity_entries must be >= 0")
         if self.affinity_ttl <= 0:

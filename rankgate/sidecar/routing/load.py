@@ -27,6 +27,7 @@ class LoadTracker:
         "decode_tokens",
         "in_flight",
         "max_running",
+        "pace",
         "prefill_tokens",
         "ranks",
         "shared",
@@ -51,6 +52,8 @@ class LoadTracker:
         self.shared = shared
         self._others = [[0] * self.slots for _ in range(3)]
         self._fresh = [[0] * self.slots for _ in range(3)]
+        # Learns each rank's speed from its first tokens (None: every rank counts as alike).
+        self.pace: RankPace | None = None
 
     def sync(self) -> None:
         """Replace the other workers' part of the view with their current counts."""
@@ -71,11 +74,16 @@ class LoadTracker:
     def admit(
         self, slot: int, decision: RouteDecision, prefill_tokens: int, total_tokens: int
     ) -> LoadTicket:
+        ahead = self.prefill_tokens[slot]
         self.in_flight[slot] += 1
-        self.prefill_tokens[slot] += prefill_tokens
+        self.prefill_tokens[slot] = ahead + prefill_tokens
         if self.shared is not None:
             self.shared.add(self.ranks[slot], 1, prefill_tokens, 0)
-        return LoadTicket(self, slot, decision, prefill_tokens, total_tokens)
+        ticket = LoadTicket(self, slot, decision, prefill_tokens, total_tokens)
+        pace = self.pace
+        if pace is not None:
+            ticket.timed(pace.clock(), ahead)
+        return ticket
 
     def below_max(self) -> list[int]:
         """The slots running fewer requests than their ``max_running_requests``."""
@@ -132,10 +140,112 @@ class RecentWork:
         raw[slot] += tokens / factor
 
 
+class RankPace:
+    """Each rank's speed, learned from what the gateway sees: how long a request took to its
+    first token against the prefill it and the requests queued ahead of it brought.
+
+    A throttled GPU or a noisy neighbour shows as a rank whose first tokens come later for the
+    same work; a router that weighs only cache and request counts keeps sending it its share.
+    A request's work is its uncached prompt plus the prefill queued on its rank when it was
+    sent, plus ``offset`` tokens for the engine steps any request waits through. Sums fade by
+    ``keep`` per sample, so a rank that slows or recovers is seen within a few dozen requests.
+
+    :meth:`speeds` gives each rank's pace over the median rank's; one within ``band`` of it
+    counts as 1, so noise among alike ranks never moves a decision.
+    """
+
+    __slots__ = (
+        "_band",
+        "_keep",
+        "_least",
+        "_offset",
+        "_seconds",
+        "_speeds",
+        "_work",
+        "clock",
+        "uneven",
+    )
+
+    def __init__(
+        self,
+        slots: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        keep: float = 0.97,
+        offset: float = 256.0,
+        band: float = 0.2,
+        least: float = 1.0,
+    ) -> None:
+        self.clock = clock
+        self._keep = keep
+        self._offset = offset
+        self._band = band
+        # Seconds of samples a rank needs before its pace counts.
+        self._least = least
+        self._work = [0.0] * slots
+        self._seconds = [0.0] * slots
+        self._speeds = [1.0] * slots
+        # Whether any rank's speed is not 1, so that alike ranks cost the route nothing.
+        self.uneven = False
+
+    def observe(self, slot: int, work: int, seconds: float) -> None:
+        if seconds <= 0.0:
+            return
+        keep = self._keep
+        self._work[slot] = self._work[slot] * keep + work + self._offset
+        self._seconds[slot] = self._seconds[slot] * keep + seconds
+        self._refresh()
+
+    def _refresh(self) -> None:
+        least = self._least
+        rates = [
+            work / seconds if seconds >= least else 0.0
+            for work, seconds in zip(self._work, self._seconds, strict=True)
+        ]
+        known = sorted(rate for rate in rates if rate > 0.0)
+        if len(known) < 2:
+            return
+        middle = known[len(known) // 2]
+        band = self._band
+        speeds = self._speeds
+        uneven = False
+        for slot, rate in enumerate(rates):
+            ratio = rate / middle if rate > 0.0 else 1.0
+            if abs(ratio - 1.0) > band:
+                speeds[slot] = ratio
+                uneven = True
+            else:
+                speeds[slot] = 1.0
+        self.uneven = uneven
+
+    def speeds(self) -> list[float]:
+        """Each rank's speed over the median rank's (1: alike within the band)."""
+        return self._speeds
+
+    def rate(self, slot: int) -> float:
+        """The rank's learned pace in prompt tokens a second (0 until it is known)."""
+        seconds = self._seconds[slot]
+        return self._work[slot] / seconds if seconds >= self._least else 0.0
+
+    def wait(self, slot: int, queued: int) -> float:
+        """Seconds ``queued`` prompt tokens take on the rank at its pace (0 while unknown)."""
+        rate = self.rate(slot)
+        return queued / rate if rate > 0.0 else 0.0
+
+
 class LoadTicket:
     """One request's footprint; :meth:`first_token` and :meth:`finished` act at most once."""
 
-    __slots__ = ("_decision", "_prefill", "_slot", "_state", "_total", "_tracker")
+    __slots__ = (
+        "_ahead",
+        "_decision",
+        "_prefill",
+        "_sent",
+        "_slot",
+        "_state",
+        "_total",
+        "_tracker",
+    )
 
     _PREFILL = 0
     _DECODE = 1
@@ -155,6 +265,14 @@ class LoadTicket:
         self._prefill = prefill_tokens
         self._total = total_tokens
         self._state = self._PREFILL
+        self._sent = -1.0
+        self._ahead = 0
+
+    def timed(self, sent: float, ahead: int) -> None:
+        """Time this request's first token for the rank's pace: sent at ``sent`` behind
+        ``ahead`` prompt tokens already queued there."""
+        self._sent = sent
+        self._ahead = ahead
 
     @property
     def decision(self) -> RouteDecision:
@@ -172,6 +290,9 @@ class LoadTicket:
         tracker.decode_tokens[slot] += self._total
         if tracker.shared is not None:
             tracker.shared.add(tracker.ranks[slot], 0, after - before, self._total)
+        pace = tracker.pace
+        if pace is not None and self._sent >= 0.0:
+            pace.observe(slot, self._ahead + self._prefill, pace.clock() - self._sent)
 
     def finished(self) -> None:
         if self._state == self._DONE:

@@ -53,6 +53,9 @@ class RankSnapshot(msgspec.Struct, frozen=True, gc=False):
     in_flight: int
     prefill_tokens: int
     decode_tokens: int
+    # The rank's learned speed over the median rank's, and its queued prefill at that pace.
+    speed: float = 1.0
+    predicted_wait: float = 0.0
 
 
 class _Sided:
@@ -115,6 +118,17 @@ class _ViewCollector(Collector):
             "request's counted up to the routing decode-tokens cap.",
             labels=["rank", *side],
         )
+        speed = GaugeMetricFamily(
+            "rankgate_routing_rank_speed",
+            "Each rank's speed as the router learned it from its first tokens, over the median "
+            "rank's (1: alike within the band).",
+            labels=["rank", *side],
+        )
+        wait = GaugeMetricFamily(
+            "rankgate_routing_predicted_wait_seconds",
+            "Seconds each rank's queued prefill takes at its learned pace (0 while unknown).",
+            labels=["rank", *side],
+        )
         for name, view in list(self.views.items()):
             tail = [name] if self.sided else []
             for snap in view() if view is not None else ():
@@ -125,7 +139,9 @@ class _ViewCollector(Collector):
                 in_flight.add_metric([rank, *tail], snap.in_flight)
                 pending.add_metric([rank, *tail], snap.prefill_tokens)
                 decode.add_metric([rank, *tail], snap.decode_tokens)
-        yield from (index, predicted, in_flight, pending, decode)
+                speed.add_metric([rank, *tail], snap.speed)
+                wait.add_metric([rank, *tail], snap.predicted_wait)
+        yield from (index, predicted, in_flight, pending, decode, speed, wait)
 
 
 class RankCounts:

@@ -52,7 +52,7 @@ from rankgate.sidecar.routing.config import RoutingConfig
 from rankgate.sidecar.routing.hashing import KeyChain, prompt_chain
 from rankgate.sidecar.routing.index import PredictedIndex
 from rankgate.sidecar.routing.kv_view import KvView
-from rankgate.sidecar.routing.load import RecentWork
+from rankgate.sidecar.routing.load import RankPace, RecentWork
 from rankgate.sidecar.routing.metrics import AFFINITY, SPILLS, RoutingMetrics
 from rankgate.sidecar.routing.policies.ranked import RankedRouter, Topology, estimated
 from rankgate.sidecar.routing.regret import RegretMeter, WatchedTicket
@@ -113,6 +113,15 @@ class KvRouter(RankedRouter):
         self.affinity = (
             AffinityTable(entries, self.config.affinity_ttl, self.clock) if entries else None
         )
+        config = self.config
+        if config.pace_keep > 0:
+            self.load.pace = RankPace(
+                len(topology.ranks),
+                self.clock,
+                keep=config.pace_keep,
+                offset=config.pace_offset_tokens,
+                band=config.pace_band,
+            )
         capacity = [max(1, blocks) for blocks in topology.device_blocks]
         self._capacity = capacity
         offload = [int(blocks * self.config.offload_index_factor) for blocks in capacity]
@@ -385,10 +394,18 @@ class KvRouter(RankedRouter):
                     cached, load.prefill_tokens, load.decode_tokens, strict=True
                 )
             ]
+        pace = load.pace
+        speeds = pace.speeds() if pace is not None and pace.uneven else None
+        if speeds is not None:
+            # A slow rank's work is priced in time: the same tokens take it longer.
+            costs = [cost / speed for cost, speed in zip(costs, speeds, strict=True)]
         if config.copy_weight > 0:
             self._price_copies(costs, cached, prompt_tokens)
         if self.shares is not None:
             factor, raw = self.shares.scaled()
+            if speeds is not None:
+                # Its fair share of requests shrinks with its speed.
+                raw = [count / speed for count, speed in zip(raw, speeds, strict=True)]
             mean = sum(raw) * factor / len(raw)
             fair = (mean + config.share_slack * math.sqrt(mean)) / factor
             if max(raw) > fair:

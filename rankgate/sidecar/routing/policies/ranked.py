@@ -108,15 +108,19 @@ class RankedRouter:
             return
         load = self.load
         load.sync()
+        pace = load.pace
         for slot, rank in enumerate(topology.ranks):
             device, offloaded, predicted = self._index_sizes(slot)
+            queued = load.prefill_tokens[slot]
             yield RankSnapshot(
+                speed=pace.speeds()[slot] if pace is not None else 1.0,
+                predicted_wait=pace.wait(slot, queued) if pace is not None else 0.0,
                 rank=rank,
                 device_blocks=device,
                 offloaded_blocks=offloaded,
                 predicted_blocks=predicted,
                 in_flight=load.in_flight[slot],
-                prefill_tokens=load.prefill_tokens[slot],
+                prefill_tokens=queued,
                 decode_tokens=load.decode_tokens[slot],
             )
 
@@ -147,6 +151,11 @@ class RankedRouter:
         estimated: bool = False,
     ) -> RouteTicket:
         topology = self._require_topology()
+        speed = wait = 0.0
+        pace = self.load.pace
+        if pace is not None:
+            speed = pace.speeds()[slot]
+            wait = pace.wait(slot, self.load.prefill_tokens[slot])
         decision = RouteDecision(
             rank=topology.ranks[slot],
             cached_tokens=cached_tokens,
@@ -154,6 +163,8 @@ class RankedRouter:
             policy=self.name,
             reason=reason,
             estimated=estimated,
+            speed=speed or 1.0,
+            wait=wait,
         )
         counts = self._counts[slot]
         counts.routed[0] += 1
