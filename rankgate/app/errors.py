@@ -185,6 +185,10 @@ def _says(
     return answer
 
 
+def _client_mistake(exc: InvalidRequest) -> ApiError:
+    return ApiError(400, exc.message, type=INVALID_REQUEST, param=exc.param, code="invalid_request")
+
+
 def _backs_off(status: int, type: str, code: str) -> Callable[[_Backoff], ApiError]:
     """A transient refusal: the error's own ``retry_after`` becomes the ``Retry-After`` header."""
 
@@ -245,7 +249,7 @@ _ANSWERS: dict[type[BaseException], _Answer] = dict(
         _row(ApiError, _itself),
         _row(msgspec.MsgspecError, from_decode_error),
         _row(SidecarError, _says(500, SERVER_ERROR, "internal_error")),
-        _row(InvalidRequest, _says(400, INVALID_REQUEST, "invalid_request")),
+        _row(InvalidRequest, _client_mistake),
         _row(NotFound, _says(404, NOT_FOUND, "model_not_found", param="model")),
         _row(FailedPrecondition, _says(400, INVALID_REQUEST, "unsupported")),
         _row(EngineOverloaded, _backs_off(429, RATE_LIMIT, "engine_overloaded")),

@@ -63,11 +63,11 @@ class RequestEncoder:
         Raises InvalidRequest for anything vLLM could not accept, before any RPC is made.
         """
         if request.n < 1:
-            raise InvalidRequest(f"n must be at least 1, got {request.n}")
+            raise InvalidRequest(f"n must be at least 1, got {request.n}", param="n")
         sampling = request.sampling
         seed = sampling.seed
         if seed is not None and not -_INT64_MAX - 1 <= seed <= _INT64_MAX:
-            raise InvalidRequest(f"seed {seed} is outside the 64-bit signed range")
+            raise InvalidRequest(f"seed {seed} is outside the 64-bit signed range", param="seed")
         try:
             base = self._base(request)
             messages = [base]
@@ -153,14 +153,17 @@ def _response(output: OutputOptions) -> pb.ResponseOptions:
     )
     if output.logprobs is not None:
         if output.logprobs < 0:
-            raise InvalidRequest(f"logprobs must not be negative, got {output.logprobs}")
+            raise InvalidRequest(
+                f"logprobs must not be negative, got {output.logprobs}", param="logprobs"
+            )
         message.output_logprobs = True
         if output.logprobs > 0:
             message.output_candidates.top_n = output.logprobs
     if output.prompt_logprobs is not None:
         if output.prompt_logprobs < 0:
             raise InvalidRequest(
-                f"prompt_logprobs must not be negative, got {output.prompt_logprobs}"
+                f"prompt_logprobs must not be negative, got {output.prompt_logprobs}",
+                param="prompt_logprobs",
             )
         message.prompt_logprobs = True
         if output.prompt_logprobs > 0:

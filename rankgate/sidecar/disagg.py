@@ -211,10 +211,11 @@ class DisaggregatedEngine:
         if request.kv_transfer_params:
             raise InvalidRequest(
                 "kv_transfer_params are set by the gateway itself when it serves prefill and "
-                "decode on separate engines"
+                "decode on separate engines",
+                param="kv_transfer_params",
             )
         if request.n < 1:
-            raise InvalidRequest(f"n must be at least 1, got {request.n}")
+            raise InvalidRequest(f"n must be at least 1, got {request.n}", param="n")
         if request.n == 1:
             pipeline = self._choice(request, 0)
             try:

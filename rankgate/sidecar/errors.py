@@ -19,7 +19,12 @@ class SidecarError(Exception):
 
 
 class InvalidRequest(SidecarError):
-    """The engine rejected the request's content (gRPC INVALID_ARGUMENT): a client mistake."""
+    """The engine rejected the request's content (gRPC INVALID_ARGUMENT): a client mistake.
+    ``param`` names the request field at fault, where the sidecar knows it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NotFound(SidecarError):

@@ -300,6 +300,7 @@ TABLE: list[tuple[BaseException, int, str, str | None, str | None, str | None]] 
     ),
     (SidecarError("x"), 500, "server_error", "internal_error", None, None),
     (InvalidRequest("x"), 400, "invalid_request_error", "invalid_request", None, None),
+    (InvalidRequest("x", param="n"), 400, "invalid_request_error", "invalid_request", "n", None),
     (NotFound("x"), 404, "not_found_error", "model_not_found", "model", None),
     (FailedPrecondition("x"), 400, "invalid_request_error", "unsupported", None, None),
     (EngineOverloaded("x", 2.5), 429, "rate_limit_error", "engine_overloaded", None, "3"),

@@ -231,7 +231,9 @@ def test_client_transfer_params_are_refused(pair: Pair, split: httpx.Client) -> 
     body = chat_body("hand-made", kv_transfer_params={"do_remote_prefill": True})
     response = split.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
-    assert "kv_transfer_params are set by the gateway" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert "kv_transfer_params are set by the gateway" in error["message"]
+    assert error["param"] == "kv_transfer_params"
     assert pair.totals("prefill").requests_received == prefill_before.requests_received
 
 
