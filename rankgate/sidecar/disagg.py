@@ -312,7 +312,14 @@ class DisaggregatedEngine:
                 seeded = None
             else:
                 self._metrics.seeded.labels("first_token").inc()
-                yield pd_seed.opening(seeded)
+                try:
+                    yield pd_seed.opening(seeded)
+                except BaseException:
+                    # The client left with its first token, before the decode was sent: the
+                    # decode side reads the KV and drops it, so the prefill engine frees it
+                    # now rather than at the end of its lease.
+                    self._hand_off(_decode_request(decode, prefilled), trusted_until)
+                    raise
         stream: AsyncGenerator[Delta, Any] = self._decode.generate(
             _decode_request(decode, prefilled), decode_handoff=True, trusted_until=trusted_until
         )

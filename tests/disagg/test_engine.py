@@ -287,6 +287,26 @@ async def test_cancel_after_the_first_token_drops_the_decode_at_once() -> None:
             assert_clean(pair)
 
 
+async def test_a_client_gone_with_its_seeded_first_token_has_its_kv_read_at_once() -> None:
+    """The seeded first token reaches the client before the decode is sent: a client that
+    leaves right then must not leave the prefill's KV held until its lease ends."""
+    with engine_pair() as pair:
+        async with disaggregated(pair) as engine:
+            stream = engine.generate(prepared("seeded-then-gone"))
+            first = await anext(stream)
+            assert first.token_ids, "the prefill's own first token, seeded"
+            assert pair.totals("decode").requests_received == 0
+            await stream.aclose()
+            await until(
+                lambda: pair.totals("prefill").transfers_released == 1,
+                10,
+                lambda: f"{pair.totals('prefill').transfers_released} transfers released",
+            )
+            await until(pair.idle, 10, "the pair idle")
+            assert pair.totals("decode").generated_tokens <= 1
+            assert_clean(pair)
+
+
 async def test_the_hand_off_drain_is_bounded_by_its_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
