@@ -59,7 +59,9 @@ def test_the_default_idle_outlives_common_client_pools() -> None:
     async def aiohttp_idle() -> float:
         connector = aiohttp.TCPConnector()
         try:
-            return float(connector._keepalive_timeout)  # 15 s, as documented
+            idle = connector._keepalive_timeout  # 15 s, as documented
+            assert idle is not None
+            return float(idle)
         finally:
             await connector.close()
 
