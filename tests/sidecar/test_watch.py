@@ -41,7 +41,9 @@ async def test_readiness_follows_engine_health(
         _ = sidecar.info
     fake.fake.health["vllm.Inference"] = SERVING
     await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
-    assert len(await collect(sidecar.generate(request()))) == 3
+    # Three tokens, in as many deltas as the reader's pace merges them into.
+    deltas = await collect(sidecar.generate(request()))
+    assert sum(len(delta.token_ids) for delta in deltas) == 3
 
 
 async def test_engine_process_gone_and_back(fake: FakeServer, start_sidecar: StartSidecar) -> None:
@@ -58,7 +60,9 @@ async def test_engine_process_gone_and_back(fake: FakeServer, start_sidecar: Sta
     assert sidecar.info.instance_id == "fake-2"
     # A new instance has an empty cache: the router rebuilt its per-rank state.
     assert [info.instance_id for info in router.configured] == ["fake-1", "fake-2"]
-    assert len(await collect(sidecar.generate(request()))) == 3
+    # Three tokens, in as many deltas as the reader's pace merges them into.
+    deltas = await collect(sidecar.generate(request()))
+    assert sum(len(delta.token_ids) for delta in deltas) == 3
 
 
 async def test_admission_is_resized_when_a_restart_changes_capacity(
@@ -73,7 +77,9 @@ async def test_admission_is_resized_when_a_restart_changes_capacity(
     await fake.start(port)
     await until(lambda: sidecar.ready, 10, "the sidecar is ready again")
     assert sidecar.admission.limit == {0: 6, 1: 6}
-    assert len(await collect(sidecar.generate(request()))) == 3
+    # Three tokens, in as many deltas as the reader's pace merges them into.
+    deltas = await collect(sidecar.generate(request()))
+    assert sum(len(delta.token_ids) for delta in deltas) == 3
     assert sidecar.admission.in_use == 0
 
 

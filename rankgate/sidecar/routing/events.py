@@ -245,11 +245,12 @@ class KvEventIntake:
                 except Exception:
                     log.exception("KV-event intake failed; restarting it in %.1f s", pause)
                 up.set(0)
-                self._metrics.intake_restarts.inc()
                 self._close_sockets()
                 for feed in self._feeds:
                     self._purge(feed, "intake_restart")
                     feed.reset()
+                # Counted once the views are purged: whoever sees the restart sees the purge.
+                self._metrics.intake_restarts.inc()
                 if self._stop.wait(pause):
                     return
                 pause = min(pause * 2, MAX_RESTART_PAUSE_S)
