@@ -134,7 +134,8 @@ class _ToolStream:
         # reasoning before it) cannot release anything early.
         self._hold: bool | None = True if syntax.engine and not ctx.engine_content else None
         self._tail = ""
-        self._pending = ""
+        # Whitespace held back, in pieces: a long run is joined once, not copied per delta.
+        self._pending: list[str] = []
         self._emitted: list[str] = []
         # Whether all content released so far was whitespace.
         self._blank = True
@@ -163,36 +164,29 @@ class _ToolStream:
         return self._release(self._syntax.clean(release))
 
     def _release(self, text: str) -> str:
-        if not text:
-            return ""
         rule = self._syntax.content_rule
-        pending = self._pending + text
+        if not text or rule == "none":
+            return ""
+        # What is held is whitespace only, so the text decides whether all of it is.
+        if not text.strip() and (self._blank or rule == "strip"):
+            self._pending.append(text)
+            return ""
+        pending = "".join(self._pending) + text
+        self._pending = []
         if rule == "keep":
-            if self._blank and not pending.strip():
-                self._pending = pending
-                return ""
-            self._pending = ""
             self._blank = False
             self._emitted.append(pending)
             return pending
-        if rule == "strip":
-            if self._blank:
-                if not pending.strip():
-                    self._pending = pending
-                    return ""
-                if pending[0].isspace():
-                    # Kept if no call follows, stripped if one does: undecided until the end.
-                    self._pending = pending
-                    self._open = False
-                    return ""
-                self._blank = False
-            body = pending.rstrip()
-            self._pending = pending[len(body) :]
-            if body:
-                self._emitted.append(body)
-            return body
-        self._pending = pending
-        return ""
+        if self._blank:
+            if pending[0].isspace():
+                # Kept if no call follows, stripped if one does: undecided until the end.
+                self._open = False
+                return ""
+            self._blank = False
+        body = pending.rstrip()
+        self._pending = [pending[len(body) :]]
+        self._emitted.append(body)
+        return body
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         text = "".join(self._text)
@@ -219,17 +213,19 @@ class _ForcedName:
 
     def __init__(self) -> None:
         self._started = False
-        self._held = ""
+        # The blank start, in pieces.
+        self._held: list[str] = []
 
     def feed(self, text: str) -> str | None:
         """The arguments text to send, or None while the output is still blank."""
         if self._started:
             return text
-        self._held += text
-        if not self._held.strip():
+        self._held.append(text)
+        if not text.strip():
             return None
         self._started = True
-        held, self._held = self._held, ""
+        held = "".join(self._held)
+        self._held = []
         return held
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 from openai_harmony import (
@@ -35,6 +36,44 @@ _BUILTIN = frozenset({"python", "browser", "container"})
 @functools.cache
 def encoding() -> HarmonyEncoding:
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@functools.cache
+def _special_ids() -> dict[str, int]:
+    enc = encoding()
+    return {
+        t: enc.encode(t, allowed_special={t}, disallowed_special=())[0]
+        for t in enc.special_tokens_set
+    }
+
+
+# Where a special token may be: every one of the vocabulary's is "<|", a name, "|>".
+_SPECIAL = re.compile(r"<\|[a-z0-9_]+\|>")
+
+
+def _encode(enc: HarmonyEncoding, text: str) -> list[int]:
+    """``enc.encode(text, allowed_special="all")``: the special tokens, and the text between
+    them encoded on its own, as the encoder splits it. The encoder's own way hands it all
+    thousand special tokens on every call, most of the time a delta takes."""
+    ids: list[int] = []
+    specials = _special_ids()
+    pos = 0
+    for found in _SPECIAL.finditer(text):
+        token = specials.get(found.group())
+        if token is None:
+            continue
+        if found.start() > pos:
+            ids += enc.encode(text[pos : found.start()], disallowed_special=())
+        ids.append(token)
+        pos = found.end()
+    if pos < len(text):
+        ids += enc.encode(text[pos:], disallowed_special=())
+    return ids
+
+
+@functools.cache
+def _stop_tokens() -> frozenset[int]:
+    return frozenset(encoding().stop_tokens())
 
 
 @functools.cache
@@ -128,14 +167,18 @@ class HarmonyStream:
 
     def _process(self, text: str, out: HarmonyPiece) -> None:
         parser = self._parser
-        for token in self._enc.encode(text, allowed_special="all"):
+        stops = _stop_tokens()
+        for token in _encode(self._enc, text):
             try:
                 parser.process(token)
             except HarmonyError:
                 continue
-            if len(parser.messages) > self._seen:
+            # Only a stop token ends a message; ``messages`` converts every message the
+            # parser holds, so it is read then, from a parser that holds only this one.
+            if token in stops and len(parser.messages) > self._seen:
                 self._tokens.clear()
                 self._completed(out)
+                parser = self._restart()
                 continue
             self._tokens.append(token)
             delta = parser.last_content_delta
@@ -160,6 +203,13 @@ class HarmonyStream:
         if len(self._parser.messages) > self._seen:
             self._completed(out)
         return out
+
+    def _restart(self) -> StreamableParser:
+        """A fresh parser in the state a completed message leaves (expecting ``<|start|>``,
+        no role carried over), so the messages it holds stay one at a time."""
+        self._parser = StreamableParser(self._enc, role=None)
+        self._seen = 0
+        return self._parser
 
     def _delta(
         self, channel: str | None, recipient: str | None, text: str, out: HarmonyPiece

@@ -117,17 +117,90 @@ _DS_CALLS = deepseek_token("tool calls begin")
 _DS_CALL = deepseek_token("tool call begin")
 _DS_SEP = deepseek_token("tool sep")
 _DS_END = deepseek_token("tool call end")
-# One line each (no newlines inside): type, name, then the arguments in a json code block.
-_DS_V3 = re.compile(
-    re.escape(_DS_CALL)
-    + r"([^\n]*)"
-    + re.escape(_DS_SEP)
-    + r"([^\n]*)\n```json\n([^\n]*)\n```"
-    + re.escape(_DS_END)
-)
-_DS_V31 = re.compile(
-    re.escape(_DS_CALL) + r"([^\n]*?)" + re.escape(_DS_SEP) + r"([^\n]*?)" + re.escape(_DS_END)
-)
+_DS_V3_BLOCK = "\n```json\n"
+_DS_V3_CLOSE = "\n```" + _DS_END
+
+
+class _Next:
+    """The next occurrence of ``needle`` at or after a position that only moves forward:
+    a search resumes where the last one stopped, so all of them together read the text once."""
+
+    __slots__ = ("_at", "_needle", "_text")
+
+    def __init__(self, text: str, needle: str) -> None:
+        self._text = text
+        self._needle = needle
+        self._at = -2  # -1: none left; -2: not looked for yet
+
+    def after(self, start: int) -> int:
+        if self._at != -1 and self._at < start:
+            self._at = self._text.find(self._needle, start)
+        return self._at
+
+
+def _v31_calls(text: str) -> list[ToolCall]:
+    r"""What ``findall`` of ``CALL([^\n]*?)SEP([^\n]*?)END`` returns, in one pass: the name
+    runs to the first separator after the call marker and the arguments to the first end
+    marker after that, both on the marker's line. (The regex itself rescans the rest of the
+    line from every call marker, and from every separator after it.)"""
+    calls: list[ToolCall] = []
+    newline, sep, end = _Next(text, "\n"), _Next(text, _DS_SEP), _Next(text, _DS_END)
+    at = text.find(_DS_CALL)
+    while at >= 0:
+        name_at = at + len(_DS_CALL)
+        line_end = newline.after(name_at)
+        line_end = len(text) if line_end < 0 else line_end
+        sep_at = sep.after(name_at)
+        if sep_at < 0:
+            break
+        if sep_at < line_end:
+            args_at = sep_at + len(_DS_SEP)
+            end_at = end.after(args_at)
+            if end_at < 0:
+                break
+            if end_at < line_end:
+                calls.append(ToolCall(text[name_at:sep_at], text[args_at:end_at]))
+                at = text.find(_DS_CALL, end_at + len(_DS_END))
+                continue
+        at = text.find(_DS_CALL, at + 1)
+    return calls
+
+
+def _v3_calls(text: str) -> list[tuple[str, str, str]]:
+    r"""What ``findall`` of ``CALL([^\n]*)SEP([^\n]*)\n```json\n([^\n]*)\n```END`` returns
+    (type, name, arguments), in one pass: the type runs to the last separator of the marker's
+    line, the name to the line's end, and the arguments are the next line. What follows a line
+    is looked at once per line, not once per call marker on it."""
+    found: list[tuple[str, str, str]] = []
+    newline = _Next(text, "\n")
+    # The line last looked at: its end, where its arguments line ends (-1: the json block
+    # does not follow), and its last separator after the first call marker looked at.
+    line_end, args_end, last_sep = -1, -1, -1
+    at = text.find(_DS_CALL)
+    while at >= 0:
+        kind_at = at + len(_DS_CALL)
+        if kind_at > line_end:
+            line_end = newline.after(kind_at)
+            if line_end < 0:
+                break
+            args_end = -1
+            if text.startswith(_DS_V3_BLOCK, line_end):
+                stop = text.find("\n", line_end + len(_DS_V3_BLOCK))
+                if stop >= 0 and text.startswith(_DS_V3_CLOSE, stop):
+                    args_end = stop
+            last_sep = text.rfind(_DS_SEP, kind_at, line_end) if args_end >= 0 else -1
+        if args_end >= 0 and last_sep >= kind_at:
+            found.append(
+                (
+                    text[kind_at:last_sep],
+                    text[last_sep + len(_DS_SEP) : line_end],
+                    text[line_end + len(_DS_V3_BLOCK) : args_end],
+                )
+            )
+            at = text.find(_DS_CALL, args_end + len(_DS_V3_CLOSE))
+            continue
+        at = text.find(_DS_CALL, at + 1)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +232,9 @@ class DeepSeek:
             return Extracted(text)
         calls: list[ToolCall] = []
         if self.v31:
-            calls = [ToolCall(name, args) for name, args in _DS_V31.findall(text)]
+            calls = _v31_calls(text)
         else:
-            for kind, name, args in _DS_V3.findall(text):
+            for kind, name, args in _v3_calls(text):
                 if kind != "function":
                     return Extracted(text)
                 calls.append(ToolCall(name, args))

@@ -62,6 +62,10 @@ class _Run:
         self.skip_reasoning = skip_reasoning
         self.state = CONTENT
         self.slots: list[Slot] = []
+        # Each slot's name and arguments as pieces, joined once the run ends (appending to
+        # a string would copy all of it each time).
+        self.names: list[list[str]] = []
+        self.args: list[list[str]] = []
         self.content: list[str] = []
         self.later: list[str] = []
         self.tool_event = False
@@ -91,6 +95,8 @@ class _Run:
             if self.slots and (not self.spec.array_body or self.in_element):
                 self._end_call()
             self.state = CONTENT
+        for slot, name_parts, arg_parts in zip(self.slots, self.names, self.args, strict=True):
+            slot.name, slot.args = "".join(name_parts), "".join(arg_parts)
 
     def _match(self, text: str, pos: int) -> tuple[str, str] | None:
         if text[pos] not in self.firsts:
@@ -110,8 +116,7 @@ class _Run:
         self.state = state
         for event in events:
             if event == START:
-                self.slots.append(Slot())
-                self.tool_event = True
+                self._start()
             elif event == ARG:
                 self._arg(literal)
             elif event == END:
@@ -124,16 +129,21 @@ class _Run:
         if state == CONTENT:
             (self.later if self.tool_event else self.content).append(text)
         elif state == NAME and self.slots:
-            self.slots[-1].name += text
+            self.names[-1].append(text)
         elif state == ARGS:
             if self.spec.array_body:
                 self._array_text(text)
             elif self.slots:
                 self._arg(text)
 
+    def _start(self, args: str = "") -> None:
+        self.slots.append(Slot())
+        self.names.append([])
+        self.args.append([args])
+        self.tool_event = True
+
     def _arg(self, text: str) -> None:
-        slot = self.slots[-1]
-        slot.args += text
+        self.args[-1].append(text)
         self.tool_event = True
 
     def _end_call(self) -> None:
@@ -145,7 +155,7 @@ class _Run:
                 self._text(text[i:])
                 return
             if self.in_element:
-                self.slots[-1].args += ch
+                self.args[-1].append(ch)
                 if self.escape:
                     self.escape = False
                 elif self.in_string:
@@ -175,8 +185,7 @@ class _Run:
             if ch == ",":
                 continue
             if ch == "{":
-                self.slots.append(Slot(args="{"))
-                self.tool_event = True
+                self._start("{")
                 self.in_element = True
                 self.depth, self.in_string, self.escape = 1, False, False
                 continue

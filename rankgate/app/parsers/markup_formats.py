@@ -57,9 +57,30 @@ _QWEN_TABLE: Table = {
     (BETWEEN, "TOOL_START"): (PREAMBLE, (START,)),
     (BETWEEN, "FUNC_PREFIX"): (NAME, (START,)),
 }
-_QWEN_PARAM = re.compile(
-    r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))", re.S
-)
+# A parameter's opener (with the spaces after "=") and the tag that ends its value: its closer,
+# or the next parameter's opener.
+_QWEN_OPEN = re.compile(r"<\s*parameter\s*=\s*")
+_QWEN_VALUE_END = re.compile(r"<\s*(?:(/)\s*parameter\s*>|parameter\s*=)")
+
+
+def _qwen_params(raw: str) -> dict[str, str]:
+    r"""What ``finditer`` of vLLM's ``<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|
+    (?=<\s*parameter\s*=))`` (dot-all) reads, in one pass: the key runs to the first ">", the
+    value to the first closer or next opener. The regex retries every opener that has no ">"
+    or no end after it, and its ``\s*`` and ``[^>]*`` split a run of spaces every way first."""
+    params: dict[str, str] = {}
+    pos = 0
+    while (opener := _QWEN_OPEN.search(raw, pos)) is not None:
+        close = raw.find(">", opener.end())
+        if close < 0:
+            break
+        end = _QWEN_VALUE_END.search(raw, close + 1)
+        if end is None:
+            break
+        params[raw[opener.end() : close]] = _trim_newline(raw[close + 1 : end.start()])
+        # A closer is part of the match; a next opener only ends the value.
+        pos = end.end() if end.group(1) else end.start()
+    return params
 
 
 def _trim_newline(value: str) -> str:
@@ -71,7 +92,7 @@ def _trim_newline(value: str) -> str:
 
 
 def _qwen_args(raw: str) -> str:
-    return dumps({m.group(1): _trim_newline(m.group(2)) for m in _QWEN_PARAM.finditer(raw)})
+    return dumps(_qwen_params(raw))
 
 
 QWEN_SPEC = MachineSpec(
@@ -95,11 +116,32 @@ _GLM_TABLE: Table = {
     (ARGS, "TOOL_END"): (CONTENT, (END,)),
     **{(ARGS, tag): (ARGS, (ARG,)) for tag in _GLM_ARG_TAGS},
 }
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_GLM_VALUE_OPEN = re.compile(r"\s*<arg_value>")
 
 
 def _glm_args(raw: str) -> str:
-    return dumps({m.group(1).strip(): m.group(2) for m in _GLM_ARG.finditer(raw)})
+    r"""What ``finditer`` of vLLM's ``<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>``
+    (dot-all) reads, in one pass: a key ends at the first ``</arg_key>`` that a value opener
+    follows, the value at the next ``</arg_value>``. The regex rescans the rest of the output
+    from every key opener without such an end."""
+    args: dict[str, str] = {}
+    pos = 0
+    while (key_at := raw.find("<arg_key>", pos)) >= 0:
+        key_end = raw.find("</arg_key>", key_at + len("<arg_key>"))
+        value = None
+        while key_end >= 0:
+            value = _GLM_VALUE_OPEN.match(raw, key_end + len("</arg_key>"))
+            if value is not None:
+                break
+            key_end = raw.find("</arg_key>", key_end + 1)
+        if value is None:
+            break
+        value_end = raw.find("</arg_value>", value.end())
+        if value_end < 0:
+            break
+        args[raw[key_at + len("<arg_key>") : key_end].strip()] = raw[value.end() : value_end]
+        pos = value_end + len("</arg_value>")
+    return dumps(args)
 
 
 GLM_SPEC = MachineSpec(

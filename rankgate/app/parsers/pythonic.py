@@ -15,14 +15,50 @@ from typing import Any
 from rankgate.app.parsers.text import dumps
 from rankgate.app.parsers.types import ContentRule, Extracted, ToolCall, ToolContext
 
-# The shape vLLM requires before parsing: "[" then calls "name(kw=..., ...)" with keyword
-# arguments only, "," between calls, "]" to close (anything may follow).
-_NAME = r"[a-zA-Z]+\w*"
-_KWARG = _NAME + r"=.*"
-_OPEN_CALL = _NAME + r"\((?:" + _KWARG + r",\s*)*"
-_INNER_CALL = _OPEN_CALL + r"(?:" + _KWARG + r"\s)?\),\s*"
-_LAST_CALL = _OPEN_CALL + r"(?:" + _KWARG + r"\s*)?\)\s*"
-_CALL_LIST = re.compile(r"\[(?:" + _INNER_CALL + r")*(?:" + _LAST_CALL + r")+\]", re.S)
+# The shape vLLM requires before parsing, its regex
+#   \[(?:CALL\((?:KW,\s*)*(?:KW\s)?\),\s*)*(?:CALL\((?:KW,\s*)*(?:KW\s*)?\)\s*)+\]
+# with CALL and the keyword names ``[a-zA-Z]+\w*`` and KW a name, "=" and then anything
+# (``.*``, dot-all), matched at the start of the output. Nested unbounded repetition: on a
+# failing output it backtracks through every way of splitting it. It is read here in one pass
+# instead: since a keyword argument's value may be anything, a call list whose first keyword
+# argument starts at some point matches exactly when ")", spaces and "]" follow somewhere after.
+_CALL_OPEN = re.compile(r"[a-zA-Z]\w*\(")
+_KEYWORD = re.compile(r"[a-zA-Z]\w*=")
+_LIST_CLOSE = re.compile(r"\)\s*\]")
+_SPACES = re.compile(r"\s*")
+
+
+def _after_spaces(text: str, pos: int) -> int:
+    spaces = _SPACES.match(text, pos)
+    return spaces.end() if spaces else pos
+
+
+def _looks_like_call_list(text: str) -> bool:
+    """Whether vLLM's regex (above) matches at the start of ``text``."""
+    if not text.startswith("["):
+        return False
+    pos = 1
+    # Calls that end in "," come first; after one that does not, only calls and "]" follow.
+    commas = True
+    while True:
+        call = _CALL_OPEN.match(text, pos)
+        if call is None:
+            return False
+        keyword = _KEYWORD.match(text, call.end())
+        if keyword is not None:
+            return _LIST_CLOSE.search(text, keyword.end()) is not None
+        pos = call.end()
+        if not text.startswith(")", pos):
+            return False
+        pos += 1
+        if commas and text.startswith(",", pos):
+            pos = _after_spaces(text, pos + 1)
+            continue
+        commas = False
+        pos = _after_spaces(text, pos)
+        if text.startswith("]", pos):
+            return True
+
 
 _JSON_WORDS = {"null": None, "true": True, "false": False}
 _START = "<|python_start|>"
@@ -69,7 +105,7 @@ def _dotted(node: ast.expr) -> str:
 
 def parse_call_list(text: str) -> list[ToolCall] | None:
     """The calls of a Python call list at the start of ``text``, or None when it is not one."""
-    if _CALL_LIST.match(text) is None:
+    if not _looks_like_call_list(text):
         return None
     try:
         module = ast.parse(text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rankgate.app.parsers.text import first_of, partial_suffix
+from rankgate.app.parsers.text import TagScan, partial_suffix
 
 THINK = "<think>"
 END_THINK = "</think>"
@@ -177,7 +177,9 @@ class MarkupThink:
         self._tags = (config.start, config.end, *config.implicit_ends, *self._drops)
         self._reasoning = config.starts_inside
         self._held = ""
-        self._space = ""
+        # Reasoning's trailing whitespace, held in pieces (a long run would be copied whole
+        # at every delta if it were one string).
+        self._space: list[str] = []
 
     def feed(self, text: str) -> tuple[str, str]:
         buf = self._held + text
@@ -189,8 +191,8 @@ class MarkupThink:
         held, self._held = self._held, ""
         reasoning, content = self._scan(held)
         if not self._config.strip_trailing:
-            reasoning += self._space
-        self._space = ""
+            reasoning += "".join(self._space)
+        self._space = []
         return reasoning, content
 
     def _scan(self, buf: str) -> tuple[str, str]:
@@ -198,8 +200,9 @@ class MarkupThink:
         reasoning: list[str] = []
         content: list[str] = []
         pos = 0
+        scan = TagScan(buf, self._tags)
         while pos < len(buf):
-            at, tag = first_of(buf, self._tags, pos)
+            at, tag = scan.first(pos)
             stop = at if at >= 0 else len(buf)
             (reasoning if self._reasoning else content).append(buf[pos:stop])
             if at < 0:
@@ -221,10 +224,13 @@ class MarkupThink:
         """Hold reasoning's trailing whitespace until non-blank reasoning follows."""
         if not reasoning:
             return ""
-        reasoning = self._space + reasoning
         body = reasoning.rstrip()
-        self._space = reasoning[len(body) :]
-        return body
+        if not body:
+            self._space.append(reasoning)
+            return ""
+        held = "".join(self._space)
+        self._space = [reasoning[len(body) :]]
+        return held + body
 
 
 class Plain:

@@ -268,11 +268,10 @@ def plan_for(
     ``tool_choice`` is "none", "auto", "required" or None (named choices pass ``named``).
     """
     splitter = reasoning_factory(reasoning_parser, vocab, template_kwargs)
-    harmony = tool_parser == "openai" or reasoning_parser == "openai_gptoss"
     single = parallel_tool_calls is False
     choice = "named" if named is not None else (tool_choice or ("auto" if tools else "none"))
-    if harmony:
-        return _harmony_plan(tool_parser, reasoning_parser, tools, choice, named, single)
+    if tool_parser == "openai" or reasoning_parser == "openai_gptoss":
+        return _harmony(tool_parser, reasoning_parser, tools, choice, named, single)
     if tool_parser is None:
         if tools and choice in ("named", "required"):
             # vLLM's generic path: the engine is held to a JSON schema, the output read as it.
@@ -328,7 +327,7 @@ def plan_for(
     return PlanResult(plan, schema=schema, structural_tag=tag)
 
 
-def _harmony_plan(
+def _harmony(
     tool_parser: str | None,
     reasoning_parser: str | None,
     tools: list[Tool] | None,
@@ -336,17 +335,19 @@ def _harmony_plan(
     named: str | None,
     single: bool,
 ) -> PlanResult:
-    """gpt-oss output: channels, not markers, so one plan covers reasoning and calls."""
+    """gpt-oss's channels: calls are read from messages to functions, held to the structural
+    tag vLLM sends when they are asked for."""
+    calls = tool_parser == "openai"
     plan = OutputPlan(
-        harmony=(reasoning_parser == "openai_gptoss", tool_parser == "openai"),
+        harmony=(reasoning_parser == "openai_gptoss", calls),
         named=choice == "named",
         required=choice == "required",
         single_call=single,
-        report_calls=choice != "none" and tool_parser == "openai",
+        report_calls=choice != "none" and calls,
         needs_special_tokens=True,
     )
     tag = None
-    if tool_parser == "openai" and choice != "none":
+    if calls and choice != "none":
         tag = structural_tag("openai", _tag_tools(tools), choice, named, single)
     return PlanResult(plan, structural_tag=tag)
 

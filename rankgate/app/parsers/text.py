@@ -43,6 +43,41 @@ def first_of(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str
     return at, found
 
 
+class TagScan:
+    """The tags of ``tags`` in ``text`` in order, as repeated :func:`first_of` calls from a
+    position that only moves forward would find them.
+
+    Each tag's search resumes where it stopped (a tag absent from the rest of the text is
+    looked for once), so scanning the whole text costs one pass per tag however many tags
+    occur, where calling :func:`first_of` at every occurrence rescans to the end each time."""
+
+    __slots__ = ("_next", "_tags", "_text")
+
+    def __init__(self, text: str, tags: tuple[str, ...]) -> None:
+        self._text = text
+        self._tags = tags
+        # Per tag: its next occurrence at or after the last start asked for (-1: none left;
+        # -2: not looked for yet).
+        self._next = [-2] * len(tags)
+
+    def first(self, start: int) -> tuple[int, str]:
+        """The earliest tag at or after ``start`` (longest on a tie), or ``(-1, "")``;
+        ``start`` must not decrease between calls."""
+        text, nexts = self._text, self._next
+        at, found = -1, ""
+        for i, tag in enumerate(self._tags):
+            pos = nexts[i]
+            if pos == -1:
+                continue
+            if pos < start:
+                pos = nexts[i] = text.find(tag, start)
+                if pos < 0:
+                    continue
+            if at < 0 or pos < at or (pos == at and len(tag) > len(found)):
+                at, found = pos, tag
+        return at, found
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 

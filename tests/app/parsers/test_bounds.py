@@ -1,31 +1,29 @@
-"""No model output can stall or crash the parsers: for every parser plan the corpus uses,
-adversarial outputs (long runs of the format's markers without their closers, JSON nested far
-past any decoder's depth) parse without raising, and the CPU time they take grows at most
-linearly with their length (eight times the text: well under the 64 times of a parser that
-rescans what it holds at every delta).
+"""No model output can stall or crash the parsers.
+
+Every tool-call and reasoning parser, streamed (one marker per delta, as the gateway feeds
+it) and whole, spends CPU time linear in the length of any flood of its own markers and text
+(see ``floods.py``): sixteen times the text takes about sixteen times the time, never the 256
+times of a parser that rescans what it holds. And JSON nested far past any decoder's depth
+parses without raising.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from rankgate.app.parsers import ChoiceParser, Parsed, Vocabulary, vocabulary
+from tests.app.parsers import floods
 from tests.app.parsers.vocab import build_tokenizer
 from tests.app.test_parsers import CASES, _plan
 
 # One case per distinct plan: parsers, tool choice, tools or none.
 PLANS = {(c.tool_parser, c.reasoning_parser, str(c.tool_choice), bool(c.tools)): c for c in CASES}
-GENERIC = ("</think>", "<tool_call>", "{")
 CALL = '{"name": "get_weather", "arguments": '
 DEPTH = 5_000
 STEP = 7
-SIZE = 1_000
-GROWTH = 8
-# Linear is GROWTH times; quadratic would be GROWTH squared.
-BOUND = 3 * GROWTH
+SUBJECTS = floods.subjects()
 
 
 @pytest.fixture(scope="module")
@@ -44,33 +42,21 @@ def _drive(plan: Any, text: str) -> list[Parsed]:
     return outs
 
 
-def _cpu(plan: Any, text: str) -> float:
-    started = time.thread_time()
-    _drive(plan, text)
-    return time.thread_time() - started
-
-
-def _hostile(plan: Any) -> list[str]:
-    markers = tuple(getattr(plan.tools, "markers", ()) or ()) if plan.tools else ()
-    return [*(body for m in markers for body in (m, m + "[")), *(m + "[" for m in GENERIC)]
-
-
-@pytest.mark.parametrize("key", list(PLANS), ids=lambda k: "-".join(map(str, k)))
-def test_adversarial_outputs_parse_in_linear_time(
-    key: tuple[Any, ...], vocabs: dict[str, Vocabulary]
+@pytest.mark.parametrize("subject", SUBJECTS, ids=[s.name for s in SUBJECTS])
+def test_every_flood_of_a_parsers_markers_parses_in_linear_time(
+    subject: floods.Subject, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    case = PLANS[key]
-    plan = _plan(case, vocabs[case.family])
-    for body in _hostile(plan):
-        small = body * (SIZE // len(body) + 1)
-        large = small * GROWTH
-        # A busy machine only ever adds time: a high ratio is measured again.
-        ratio = float("inf")
-        for _ in range(3):
-            ratio = min(ratio, _cpu(plan, large) / max(_cpu(plan, small), 1e-4))
-            if ratio < BOUND:
-                break
-        assert ratio < BOUND, f"{body!r} repeated: {GROWTH}x the text took {ratio:.0f}x the time"
+    plan = floods.plan(
+        subject, floods.vocabulary_of(subject.family, tmp_path_factory.getbasetemp())
+    )
+    slow = []
+    for what, unit in floods.floods(subject):
+        small = floods.repeat(unit, floods.SIZE)
+        for mode, pieces in (("streamed", small), ("whole", ["".join(small)])):
+            ratio = floods.parse_growth(plan, pieces)
+            if ratio >= floods.BOUND:
+                slow.append(f"{what} {mode}: {ratio:.0f}x")
+    assert not slow, f"{floods.GROWTH}x the text took: " + "; ".join(slow)
 
 
 def _shape(outs: list[Parsed]) -> tuple[Any, ...]:
